@@ -1,0 +1,12 @@
+"""minigist: a small deep-learning framework that measures, byte for byte, where training
+memory goes, with Gist's stash encodings (Jain et al., ISCA 2018) built in."""
+from .backend import get_xp, gpu_available, to_numpy
+from .errors import LayerSetupError, MemoryBudgetError, MinigistError, ModelFileError
+from .executor import SGD
+from .graph import build_graph
+from .net import Net, summary
+from .program import build_program
+
+__version__ = "0.1.0"
+__all__ = ["Net", "SGD", "build_graph", "build_program", "summary", "get_xp", "gpu_available",
+           "to_numpy", "MinigistError", "ModelFileError", "LayerSetupError", "MemoryBudgetError"]

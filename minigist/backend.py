@@ -1,0 +1,43 @@
+"""numpy or cupy, chosen once per net: `xp` is passed to every layer.
+
+Nothing here imports cupy unless a GPU is asked for (or `auto` looks for one), so the CPU
+path runs where cupy is not installed.
+"""
+import numpy
+
+from .errors import MinigistError
+
+DEVICES = ("cpu", "gpu", "auto")
+
+
+def gpu_available():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver or no device: all mean "no GPU"
+        return False
+
+
+def get_xp(device="cpu"):
+    """Return the array module for `device` ('cpu', 'gpu' or 'auto')."""
+    if device not in DEVICES:
+        raise MinigistError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cpu" or (device == "auto" and not gpu_available()):
+        return numpy
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        raise MinigistError(f"--device gpu: no usable CUDA device ({exc.__class__.__name__}: {exc})") from None
+    return cupy
+
+
+def is_gpu(xp):
+    return xp is not numpy
+
+
+def to_numpy(array):
+    """A numpy copy (or the array itself) of a numpy or cupy array."""
+    if isinstance(array, numpy.ndarray):
+        return array
+    return array.get()

@@ -1,0 +1,225 @@
+"""Model file -> Graph: layers over named blobs, shapes known, no arrays.
+
+Blobs are in SSA form: a layer written the Caffe way with top == bottom (in place) produces a
+new version of the blob (`conv1@relu1`), so every blob version has exactly one producer and
+later passes decide whether two versions may share memory.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import prototxt
+from .caffe_schema import V1_TYPE_NAMES
+from .errors import LayerSetupError, ModelFileError
+from .layers import LAYER_TYPES
+from .layers.base import LayerSpec
+
+
+@dataclass
+class Blob:
+    name: str                 # SSA version id, unique in the graph
+    base: str                 # the name the model file uses
+    shape: tuple
+    producer: int             # node index
+    top_index: int
+    consumers: list = field(default_factory=list)   # [(node index, bottom index)]
+
+
+@dataclass
+class Node:
+    layer: object
+    bottoms: list             # blob version ids
+    tops: list
+
+
+@dataclass
+class Graph:
+    path: str
+    name: str
+    phase: str
+    nodes: list
+    blobs: dict
+    loss_weights: dict        # blob id -> weight, for blobs that enter the objective
+    batch_size: int
+    input_shape: tuple        # shape of one input sample (C, H, W) of the first data top
+
+    @property
+    def layers(self):
+        return [node.layer for node in self.nodes]
+
+    def node_of(self, layer_name):
+        for node in self.nodes:
+            if node.layer.name == layer_name:
+                return node
+        raise KeyError(layer_name)
+
+    def outputs(self):
+        """Blobs no layer consumes (losses, accuracies, scores)."""
+        return [b.name for b in self.blobs.values() if not b.consumers]
+
+    def param_count(self, learned_only=True):
+        return sum(int(np.prod(p.shape)) for layer in self.layers for p in layer.params
+                   if p.learnable or not learned_only)
+
+
+def _rule_matches(rule, phase):
+    if rule.has("phase") and rule.get("phase") != phase:
+        return False
+    if rule.get("min_level", 0) > 0 or rule.all("stage"):
+        return False
+    if rule.has("max_level") and rule.get("max_level") < 0:
+        return False
+    return True
+
+
+def _included(layer_msg, phase):
+    includes = layer_msg.all("include")
+    if includes:
+        return any(_rule_matches(rule, phase) for rule in includes)
+    return not any(_rule_matches(rule, phase) for rule in layer_msg.all("exclude"))
+
+
+def _layer_specs(net, path, phase):
+    """Yield a LayerSpec for each layer of the net included in `phase`."""
+    if net.all("layer") and net.all("layers"):
+        raise ModelFileError(path, net.line_of("layers"),
+                             "mixes the 'layer' and legacy 'layers' syntax; use one")
+    net_inputs = net.all("input")
+    if net_inputs:
+        yield _net_input_spec(net, path)
+    for msg in net.all("layer") + net.all("layers"):
+        if _included(msg, phase):
+            yield layer_spec(msg, path, phase)
+
+
+def layer_spec(msg, path, phase):
+    """The LayerSpec of one `layer { }` or legacy `layers { }` message."""
+    legacy = msg.type_name == "V1LayerParameter"
+    if legacy and msg.has("layer"):
+        raise ModelFileError(path, msg.line, "the V0 layer format (layers { layer { } }) is not supported")
+    name = msg.get("name")
+    if not name:
+        raise ModelFileError(path, msg.line, "layer has no name")
+    type_name = msg.get("type")
+    if type_name is None:
+        raise ModelFileError(path, msg.line, f"layer '{name}' has no type")
+    if legacy:
+        type_name = V1_TYPE_NAMES.get(type_name, type_name)
+        lrs, decays = msg.all("blobs_lr"), msg.all("weight_decay")
+        param_specs = [(lrs[i] if i < len(lrs) else 1.0, decays[i] if i < len(decays) else 1.0)
+                       for i in range(max(len(lrs), len(decays)))]
+    else:
+        param_specs = [(p.get("lr_mult", 1.0), p.get("decay_mult", 1.0)) for p in msg.all("param")]
+        for p in msg.all("param"):
+            if p.has("name"):
+                raise ModelFileError(path, p.line, f"layer '{name}': shared parameters (param {{ name }}) are not supported")
+    return LayerSpec(name=name, type=type_name, bottoms=msg.all("bottom"), tops=msg.all("top"),
+                     msg=msg, path=path, line=msg.line, phase=phase, param_specs=param_specs,
+                     loss_weights=msg.all("loss_weight"), propagate_down=msg.all("propagate_down"))
+
+
+def _net_input_spec(net, path):
+    """The legacy net-level `input:` / `input_dim:` / `input_shape` as an Input layer."""
+    names = net.all("input")
+    dims = net.all("input_dim")
+    shapes = [tuple(s.all("dim")) for s in net.all("input_shape")]
+    if dims:
+        if len(dims) != 4 * len(names):
+            raise ModelFileError(path, net.line_of("input_dim"),
+                                 f"{len(names)} input(s) need {4 * len(names)} input_dim values, got {len(dims)}")
+        shapes = [tuple(dims[4 * i:4 * i + 4]) for i in range(len(names))]
+    if len(shapes) != len(names):
+        raise ModelFileError(path, net.line_of("input"), "each 'input' needs an input_shape or 4 input_dim values")
+    msg = prototxt.Msg("LayerParameter", net.line_of("input"))
+    input_param = prototxt.Msg("InputParameter", msg.line)
+    for shape in shapes:
+        blob_shape = prototxt.Msg("BlobShape", msg.line)
+        blob_shape.fields = [("dim", d, msg.line) for d in shape]
+        input_param.fields.append(("shape", blob_shape, msg.line))
+    msg.fields.append(("input_param", input_param, msg.line))
+    return LayerSpec(name="input", type="Input", bottoms=[], tops=list(names), msg=msg,
+                     path=path, line=msg.line)
+
+
+def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=np.float32,
+                path=None):
+    """Build the Graph of a model file (a path) or of prototxt text (`path` then names it)."""
+    if phase not in ("TRAIN", "TEST"):
+        raise ValueError(f"phase must be TRAIN or TEST, got {phase!r}")
+    if path is None:
+        path = str(source)
+        net = prototxt.parse_file(path)
+    else:
+        net = prototxt.parse(source, path)
+    if isinstance(input_size, int):
+        input_size = (input_size, input_size)
+
+    nodes, blobs, current, loss_weights = [], {}, {}, {}
+    data_shape = None
+    for spec in _layer_specs(net, path, phase):
+        cls = LAYER_TYPES.get(spec.type)
+        if cls is None:
+            raise ModelFileError(path, spec.msg.line_of("type"),
+                                 f"unknown layer type '{spec.type}' (layer '{spec.name}')")
+        layer = cls(spec, np.dtype(dtype))
+        if any(node.layer.name == spec.name for node in nodes):
+            raise ModelFileError(path, spec.line, f"layer name '{spec.name}' used twice")
+        lo, hi = cls.num_bottoms
+        if len(spec.bottoms) < lo or (hi is not None and len(spec.bottoms) > hi):
+            want = f"{lo}" if lo == hi else f"{lo} to {hi if hi is not None else 'any'}"
+            raise ModelFileError(path, spec.line, f"layer '{spec.name}' ({spec.type}) takes {want} bottom(s), got {len(spec.bottoms)}")
+        lo, hi = cls.num_tops
+        if len(spec.tops) < lo or (hi is not None and len(spec.tops) > hi):
+            want = f"{lo}" if lo == hi else f"{lo} to {hi if hi is not None else 'any'}"
+            raise ModelFileError(path, spec.line, f"layer '{spec.name}' ({spec.type}) gives {want} top(s), got {len(spec.tops)}")
+        bottom_ids = []
+        for name in spec.bottoms:
+            if name not in current:
+                raise ModelFileError(path, spec.msg.line_of("bottom"),
+                                     f"layer '{spec.name}': bottom '{name}' is not produced by any earlier layer")
+            bottom_ids.append(current[name])
+        try:
+            if layer.is_data:
+                layer.override(batch_size, input_size)
+            top_shapes = layer.setup([blobs[b].shape for b in bottom_ids])
+        except LayerSetupError as exc:
+            raise ModelFileError(path, spec.line, str(exc)) from None
+        layer.bottom_shapes = [blobs[b].shape for b in bottom_ids]
+        layer.top_shapes = [tuple(int(d) for d in s) for s in top_shapes]
+        for shape in layer.top_shapes:
+            if any(d <= 0 for d in shape):
+                raise ModelFileError(path, spec.line, f"layer '{spec.name}' ({spec.type}): output shape {shape} is empty; the input is too small for this layer")
+        index = len(nodes)
+        top_ids = []
+        for top_index, name in enumerate(spec.tops):
+            if name in current and name not in spec.bottoms:
+                raise ModelFileError(path, spec.msg.line_of("top"),
+                                     f"layer '{spec.name}': top '{name}' is already produced by another layer")
+            blob_id = name if name not in current else f"{name}@{spec.name}"
+            if blob_id in blobs or name in top_ids:
+                raise ModelFileError(path, spec.msg.line_of("top"), f"layer '{spec.name}': top '{name}' given twice")
+            blobs[blob_id] = Blob(blob_id, name, layer.top_shapes[top_index], index, top_index)
+            top_ids.append(blob_id)
+        for bottom_index, blob_id in enumerate(bottom_ids):
+            blobs[blob_id].consumers.append((index, bottom_index))
+        for name, blob_id in zip(spec.tops, top_ids):
+            current[name] = blob_id
+        nodes.append(Node(layer, bottom_ids, top_ids))
+        weights = list(spec.loss_weights) or ([1.0] if layer.is_loss else [])
+        if len(weights) > len(top_ids):
+            raise ModelFileError(path, spec.msg.line_of("loss_weight"),
+                                 f"layer '{spec.name}' has {len(weights)} loss_weight values for {len(top_ids)} top(s)")
+        for blob_id, weight in zip(top_ids, weights):
+            if weight != 0.0:
+                if int(np.prod(blobs[blob_id].shape)) != 1:
+                    raise ModelFileError(path, spec.line, f"layer '{spec.name}': loss_weight on top '{blob_id}' which is not a scalar")
+                loss_weights[blob_id] = float(weight)
+        if layer.is_data and data_shape is None and layer.top_shapes:
+            data_shape = layer.top_shapes[0]
+    if not nodes:
+        raise ModelFileError(path, 0, f"no layers in phase {phase}")
+    if data_shape is None:
+        raise ModelFileError(path, 0, "the net has no input or data layer")
+    return Graph(path=path, name=net.get("name", ""), phase=phase, nodes=nodes, blobs=blobs,
+                 loss_weights=loss_weights, batch_size=int(data_shape[0]),
+                 input_shape=tuple(data_shape[1:]))

@@ -1,0 +1,97 @@
+"""Element-wise layers: ReLU and Dropout."""
+import numpy as np
+
+from .base import Layer, TensorDecl, register
+
+
+@register
+class ReLU(Layer):
+    """y = max(x, 0) + negative_slope * min(x, 0). Backward reads only y: y > 0 exactly where
+    x > 0, which is what lets Gist keep a 1-bit mask instead of y."""
+    type = "ReLU"
+    param_field = "relu_param"
+
+    def setup(self, bottom_shapes):
+        self.slope = float(self.p.get("negative_slope", 0.0))
+        if self.slope < 0:
+            self.fail("negative_slope must be >= 0")
+        self.keeps_tops = (0,)
+        return [bottom_shapes[0]]
+
+    def inplace_safe(self, bottom_index, top_index):
+        return True
+
+    def workspace(self, phase):
+        if phase == "backward":
+            return {"mask": TensorDecl(self.top_shapes[0], np.bool_)}
+        return {}
+
+    def forward(self, xp, x, y, p, saved, ws):
+        if self.slope == 0.0:
+            xp.maximum(x[0], 0, out=y[0])
+        elif self.slope <= 1.0:
+            xp.multiply(x[0], self.slope, out=y[0])
+            xp.maximum(x[0], y[0], out=y[0])
+        else:
+            xp.multiply(x[0], self.slope, out=y[0])
+            xp.minimum(x[0], y[0], out=y[0])
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        if gx[0] is None:
+            return
+        mask = ws["mask"]
+        xp.greater(y[0], 0, out=mask)
+        self.backward_from_mask(xp, mask, gy[0], gx[0])
+
+    def backward_from_mask(self, xp, mask, gy, gx):
+        """gx from the positive mask alone (the form Gist's Binarize codec stores)."""
+        if self.slope == 0.0:
+            xp.multiply(gy, mask, out=gx)
+        else:
+            xp.multiply(gy, self.slope, out=gx)
+            xp.copyto(gx, gy, where=mask)
+
+
+@register
+class Dropout(Layer):
+    """Caffe's dropout: in training, y = x * mask / (1 - ratio) (mask kept as one byte per
+    element); at test time y = x. With scale_train false, the scaling moves to test time."""
+    type = "Dropout"
+    param_field = "dropout_param"
+
+    def setup(self, bottom_shapes):
+        self.ratio = float(self.p.get("dropout_ratio", 0.5))
+        if not 0.0 <= self.ratio < 1.0:
+            self.fail(f"dropout_ratio must be in [0, 1), got {self.ratio}")
+        scale_train = self.p.get("scale_train", True)
+        self.train = self.spec.phase == "TRAIN"
+        if self.train:
+            self.scale = 1.0 / (1.0 - self.ratio) if scale_train else 1.0
+            self.saved = {"mask": TensorDecl(bottom_shapes[0], np.bool_)}
+        else:
+            self.scale = 1.0 if scale_train else 1.0 - self.ratio
+        return [bottom_shapes[0]]
+
+    def inplace_safe(self, bottom_index, top_index):
+        return True
+
+    def workspace(self, phase):
+        if phase == "forward" and self.train:
+            return {"uniform": TensorDecl(self.bottom_shapes[0])}
+        return {}
+
+    def forward(self, xp, x, y, p, saved, ws):
+        if not self.train:
+            xp.multiply(x[0], self.scale, out=y[0])
+            return
+        uniform, mask = ws["uniform"], saved["mask"]
+        self.rng.random(out=uniform, dtype=uniform.dtype)
+        xp.greater_equal(uniform, self.ratio, out=mask)
+        xp.multiply(x[0], mask, out=y[0])
+        y[0] *= self.scale
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        if gx[0] is None:
+            return
+        xp.multiply(gy[0], saved["mask"], out=gx[0])
+        gx[0] *= self.scale

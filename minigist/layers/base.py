@@ -1,0 +1,161 @@
+"""The layer contract.
+
+A layer is built from its model-file entry, checks its parameters and infers its output shapes
+in `setup` before any array exists, and then declares everything it needs as shapes:
+
+- `params`: its learned (and state) tensors, each a `ParamDecl` with filler and multipliers;
+- `keeps_bottoms` / `keeps_tops`: which inputs / outputs its backward reads (the "stash");
+- `saved`: private tensors that forward writes and backward reads (MaxPool's argmax,
+  Dropout's mask); they are part of the stash too;
+- `workspace(phase)`: scratch tensors for one forward or backward call (im2col columns).
+
+`forward` and `backward` receive every array from the executor (views into planned memory)
+and write their results into the arrays they are handed, through `xp` (numpy or cupy).
+A layer keeps no arrays on itself, so a later pass can move, share or encode any of them.
+"""
+from dataclasses import dataclass, field
+
+from ..errors import LayerSetupError
+
+LAYER_TYPES = {}
+
+
+def register(cls):
+    """Class decorator: make a layer type available to model files under `cls.type`."""
+    if cls.type in LAYER_TYPES:
+        raise ValueError(f"layer type {cls.type!r} registered twice")
+    LAYER_TYPES[cls.type] = cls
+    return cls
+
+
+@dataclass
+class ParamDecl:
+    """One parameter tensor of a layer."""
+    name: str            # "weight", "bias", "mean", ...
+    shape: tuple
+    filler: dict         # {"type": "xavier", ...}: the FillerParameter fields
+    lr_mult: float = 1.0
+    decay_mult: float = 1.0
+    learnable: bool = True   # False for state such as BatchNorm's running statistics
+
+    @property
+    def trained(self):
+        return self.learnable and self.lr_mult != 0.0
+
+
+@dataclass
+class TensorDecl:
+    shape: tuple
+    dtype: object = None     # None: the net's float dtype
+
+
+@dataclass
+class LayerSpec:
+    """What the model file says about one layer, with where it says it."""
+    name: str
+    type: str
+    bottoms: list
+    tops: list
+    msg: object              # prototxt.Msg of the layer
+    path: str
+    line: int
+    phase: str = "TRAIN"
+    param_specs: list = field(default_factory=list)   # [(lr_mult, decay_mult)] from the file
+    loss_weights: list = field(default_factory=list)
+    propagate_down: list = field(default_factory=list)
+
+
+class Layer:
+    type = None
+    param_field = None       # e.g. "convolution_param"
+    num_bottoms = (1, 1)     # (min, max); max None = unbounded
+    num_tops = (1, 1)
+    is_loss = False
+    is_data = False
+
+    def __init__(self, spec, dtype):
+        self.spec = spec
+        self.name = spec.name
+        self.dtype = dtype
+        self.params = []
+        self.saved = {}
+        self.keeps_bottoms = ()
+        self.keeps_tops = ()
+        self.rng = None      # set by the executor for layers that draw random numbers
+        self.bottom_shapes = None
+        self.top_shapes = None
+
+    # ---- model-file helpers -------------------------------------------------------------
+    @property
+    def p(self):
+        """This layer's *_param message (an empty one if the file gives none)."""
+        msg = self.spec.msg.get(self.param_field) if self.param_field else None
+        if msg is None:
+            from ..prototxt import Msg
+            msg = Msg(self.param_field or "", self.spec.line)
+        return msg
+
+    def fail(self, message):
+        raise LayerSetupError(f"layer '{self.name}' ({self.type}): {message}")
+
+    def add_param(self, name, shape, filler, learnable=True):
+        index = len(self.params)
+        lr_mult, decay_mult = 1.0, 1.0
+        if index < len(self.spec.param_specs):
+            lr_mult, decay_mult = self.spec.param_specs[index]
+        if not learnable:
+            lr_mult, decay_mult = 0.0, 0.0
+        self.params.append(ParamDecl(name, tuple(int(d) for d in shape), filler or {},
+                                     lr_mult, decay_mult, learnable))
+
+    # ---- the contract -------------------------------------------------------------------
+    def setup(self, bottom_shapes):
+        """Check parameters, declare params/saved/keeps; return the top shapes."""
+        raise NotImplementedError
+
+    def workspace(self, phase):
+        """Scratch tensors for one call: {name: TensorDecl}; phase is 'forward' or 'backward'."""
+        return {}
+
+    def propagates_down(self, index):
+        """Whether a gradient can flow to bottom `index` (False for labels)."""
+        return True
+
+    @property
+    def has_backward(self):
+        return True
+
+    def inplace_safe(self, bottom_index, top_index):
+        """Whether top `top_index` may overwrite bottom `bottom_index` in forward and backward."""
+        return False
+
+    def forward(self, xp, x, y, p, saved, ws):
+        raise NotImplementedError
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        """Write input gradients into gx[i] (None where not needed) and parameter gradients
+        into gp[j] (None for frozen parameters). x and y hold only the kept tensors."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<{self.type} {self.name}>"
+
+
+def expect_int_list(layer, values, what, count):
+    """Expand Caffe's repeated-or-single field (kernel_size: 3 -> [3, 3])."""
+    values = list(values)
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        layer.fail(f"{what} needs 1 or {count} values, got {len(values)}")
+    return values
+
+
+def filler_of(msg, default_type="constant"):
+    """A FillerParameter message as a plain dict with Caffe's defaults."""
+    filler = {"type": default_type, "value": 0.0, "min": 0.0, "max": 1.0, "mean": 0.0,
+              "std": 1.0, "variance_norm": "FAN_IN"}
+    if msg is not None:
+        for name, value, _ in msg.fields:
+            filler[name] = value
+    return filler

@@ -1,0 +1,55 @@
+"""InnerProduct (fully connected): y = x W^T + b over the axes from `axis` on."""
+import numpy as np
+
+from .base import Layer, filler_of, register
+
+
+@register
+class InnerProduct(Layer):
+    type = "InnerProduct"
+    param_field = "inner_product_param"
+
+    def setup(self, bottom_shapes):
+        p = self.p
+        shape = bottom_shapes[0]
+        if not p.has("num_output"):
+            self.fail("num_output is required")
+        self.num_output = p.get("num_output")
+        axis = p.get("axis", 1)
+        axis = axis + len(shape) if axis < 0 else axis
+        if not 0 <= axis < len(shape):
+            self.fail(f"axis {p.get('axis', 1)} out of range for input shape {shape}")
+        self.transpose = p.get("transpose", False)
+        self.rows = int(np.prod(shape[:axis]))
+        self.features = int(np.prod(shape[axis:]))
+        weight_shape = (self.features, self.num_output) if self.transpose else (self.num_output, self.features)
+        self.add_param("weight", weight_shape, filler_of(p.get("weight_filler")))
+        self.bias_term = p.get("bias_term", True)
+        if self.bias_term:
+            self.add_param("bias", (self.num_output,), filler_of(p.get("bias_filler")))
+        self.keeps_bottoms = (0,)
+        return [tuple(shape[:axis]) + (self.num_output,)]
+
+    def _weight_t(self, weight):
+        """W as (features, num_output): a view, never a copy."""
+        return weight if self.transpose else weight.T
+
+    def forward(self, xp, x, y, p, saved, ws):
+        x2 = x[0].reshape(self.rows, self.features)
+        y2 = y[0].reshape(self.rows, self.num_output)
+        xp.matmul(x2, self._weight_t(p[0]), out=y2)
+        if self.bias_term:
+            y2 += p[1]
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        gy2 = gy[0].reshape(self.rows, self.num_output)
+        if gp[0] is not None:
+            x2 = x[0].reshape(self.rows, self.features)
+            if self.transpose:
+                xp.matmul(x2.T, gy2, out=gp[0])
+            else:
+                xp.matmul(gy2.T, x2, out=gp[0])
+        if self.bias_term and gp[1] is not None:
+            xp.sum(gy2, axis=0, out=gp[1])
+        if gx[0] is not None:
+            xp.matmul(gy2, self._weight_t(p[0]).T, out=gx[0].reshape(self.rows, self.features))

@@ -1,0 +1,249 @@
+"""Net: the user's handle on a model file, its weights, and its compiled programs.
+
+    net = Net("models/vgg_small.prototxt", batch_size=32, seed=0)
+    net.solver.lr = 0.01
+    loss = net.train_step(images, labels)      # forward, backward, SGD update (TRAIN phase)
+    outputs = net.evaluate(images, labels)    # forward only (TEST phase): {"accuracy": ..}
+
+One arena holds everything: the persistent part (weights, their gradients, momentum) first,
+then the per-iteration part, which the training and the evaluation program share because they
+never run at the same time.
+"""
+import os
+import tempfile
+
+import numpy as np
+
+from .backend import get_xp, to_numpy
+from .errors import MinigistError
+from .executor import SGD, Executor, view
+from .fillers import fill
+from .graph import build_graph
+from .memory import plan_none
+from .program import build_program, param_buffer_names
+
+
+class Net:
+    def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
+                 seed=0, solver=None):
+        self.xp = get_xp(device)
+        self.dtype = np.dtype(dtype)
+        self.seed = seed
+        self.model = str(model)
+        self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype)
+                       for phase in ("TRAIN", "TEST")}
+        self.train_graph = self.graphs["TRAIN"]
+        self.programs = {"train": build_program(self.graphs["TRAIN"], train=True),
+                         "eval": build_program(self.graphs["TEST"], train=False)}
+        self.solver = solver or SGD()
+        self._allocate()
+        self.executors = {key: Executor(program, self.program_arrays[key], self.xp, self.solver)
+                          for key, program in self.programs.items()}
+        self._init_params(seed)
+        self.rng = self._make_rng(seed + 1)
+        for graph in self.graphs.values():
+            for layer in graph.layers:
+                layer.rng = self.rng
+
+    # ---- construction -------------------------------------------------------------------
+    def _allocate(self):
+        persistent = {}
+        for program in self.programs.values():
+            for name, buffer in program.buffers.items():
+                if buffer.persistent:
+                    known = persistent.setdefault(name, buffer)
+                    if known.shape != buffer.shape:
+                        raise MinigistError(f"{self.model}: parameter {name} has shape {buffer.shape} "
+                                            f"in TEST but {known.shape} in TRAIN")
+        persistent_offsets, persistent_bytes = plan_none({n: b.nbytes for n, b in persistent.items()})
+        self.persistent_bytes = persistent_bytes
+        self.plans = {}
+        transient_bytes = 0
+        for key, program in self.programs.items():
+            sizes = {n: b.nbytes for n, b in program.buffers.items() if not b.persistent}
+            offsets, total = plan_none(sizes)
+            self.plans[key] = (offsets, total)
+            transient_bytes = max(transient_bytes, total)
+        self.arena_bytes = persistent_bytes + transient_bytes
+        self.arena = self.xp.empty(self.arena_bytes, dtype=np.uint8)
+        # every array is a view into the one arena; persistent views are shared by programs
+        self.arrays = {name: view(self.arena, persistent_offsets[name], buffer.shape, buffer.dtype)
+                       for name, buffer in persistent.items()}
+        self.program_arrays = {}
+        for key, program in self.programs.items():
+            offsets, _ = self.plans[key]
+            self.program_arrays[key] = {
+                name: self.arrays[name] if buffer.persistent else
+                view(self.arena, persistent_bytes + offsets[name], buffer.shape, buffer.dtype)
+                for name, buffer in program.buffers.items()}
+
+    def _make_rng(self, seed):
+        if self.xp is np:
+            return np.random.default_rng(seed)
+        return self.xp.random.default_rng(seed)
+
+    def _param_layers(self):
+        """Every layer with parameters, each name once, TRAIN graph first."""
+        seen = {}
+        for graph in (self.graphs["TRAIN"], self.graphs["TEST"]):
+            for layer in graph.layers:
+                if layer.params and layer.name not in seen:
+                    seen[layer.name] = layer
+        return list(seen.values())
+
+    def _init_params(self, seed):
+        rng = np.random.default_rng(seed)
+        for layer in self._param_layers():
+            for index, decl in enumerate(layer.params):
+                weight, grad, momentum = param_buffer_names(layer, index)
+                if weight in self.arrays:
+                    self.arrays[weight][...] = self.xp.asarray(fill(decl.filler, decl.shape, rng, self.dtype))
+                for name in (grad, momentum):
+                    if name in self.arrays:
+                        self.arrays[name].fill(0)
+
+    # ---- running ------------------------------------------------------------------------
+    def _feed(self, key, inputs):
+        graph = self.programs[key].graph
+        data_nodes = [node for node in graph.nodes if node.layer.is_data]
+        tops = [top for node in data_nodes for top in node.tops]
+        if len(inputs) > len(tops):
+            raise MinigistError(f"{len(inputs)} inputs given, the net takes {len(tops)} ({', '.join(tops)})")
+        arrays = self.program_arrays[key]
+        for top, value in zip(tops, inputs):
+            target = arrays[f"blob:{top}"]
+            if tuple(np.shape(value)) != target.shape:
+                raise MinigistError(f"input '{top}' must have shape {target.shape}, got {tuple(np.shape(value))}")
+            target[...] = self.xp.asarray(value, dtype=target.dtype)
+
+    def _loss(self, key):
+        arrays = self.program_arrays[key]
+        return float(sum(weight * float(arrays[name]) for name, weight in self.programs[key].loss_weights.items()))
+
+    def forward_backward(self, *inputs):
+        """Forward and backward on one batch, no update; returns the weighted loss."""
+        self._feed("train", inputs)
+        self.executors["train"].run(update=False)
+        return self._loss("train")
+
+    def train_step(self, *inputs):
+        """One SGD iteration on one batch (data, label); returns the weighted loss."""
+        self._feed("train", inputs)
+        self.executors["train"].run(update=True)
+        return self._loss("train")
+
+    def evaluate(self, *inputs):
+        """TEST-phase forward; returns {output blob: value} for the blobs no layer consumes
+        (scalars as floats, other blobs as numpy arrays)."""
+        self._feed("eval", inputs)
+        self.executors["eval"].run()
+        arrays = self.program_arrays["eval"]
+        result = {}
+        for blob, name in self.programs["eval"].outputs.items():
+            value = to_numpy(arrays[name])
+            result[blob] = float(value) if value.ndim == 0 else value.copy()
+        return result
+
+    # ---- parameters ---------------------------------------------------------------------
+    def params(self):
+        """{"layer.param": array} of every parameter (learned and state), live views."""
+        out = {}
+        for layer in self._param_layers():
+            for index, decl in enumerate(layer.params):
+                out[f"{layer.name}.{decl.name}"] = self.arrays[param_buffer_names(layer, index)[0]]
+        return out
+
+    def grads(self):
+        """{"layer.param": gradient array} of the trained parameters after a backward pass."""
+        out = {}
+        for layer in self._param_layers():
+            for index, decl in enumerate(layer.params):
+                name = param_buffer_names(layer, index)[1]
+                if name in self.arrays:
+                    out[f"{layer.name}.{decl.name}"] = self.arrays[name]
+        return out
+
+    def state(self):
+        """Weights and momentum as numpy arrays: what a checkpoint needs to resume exactly."""
+        out = {key: to_numpy(value).copy() for key, value in self.params().items()}
+        for layer in self._param_layers():
+            for index, decl in enumerate(layer.params):
+                name = param_buffer_names(layer, index)[2]
+                if name in self.arrays:
+                    out[f"momentum:{layer.name}.{decl.name}"] = to_numpy(self.arrays[name]).copy()
+        return out
+
+    def save(self, path, with_momentum=False):
+        """Write the weights (and momentum) to a .npz file atomically."""
+        arrays = self.state() if with_momentum else {k: to_numpy(v) for k, v in self.params().items()}
+        save_npz_atomic(path, arrays)
+
+    def load(self, path):
+        """Read weights (and momentum, if present) from a .npz written by `save`."""
+        try:
+            with np.load(path, allow_pickle=False) as stored:
+                values = {key: stored[key] for key in stored.files}
+        except FileNotFoundError:
+            raise MinigistError(f"{path}: weights file not found") from None
+        except (OSError, ValueError) as exc:
+            raise MinigistError(f"{path}: not a readable .npz weights file ({exc})") from None
+        targets = dict(self.params())
+        for layer in self._param_layers():
+            for index, decl in enumerate(layer.params):
+                name = param_buffer_names(layer, index)[2]
+                if name in self.arrays:
+                    targets[f"momentum:{layer.name}.{decl.name}"] = self.arrays[name]
+        missing = [k for k in self.params() if k not in values]
+        if missing:
+            raise MinigistError(f"{path}: no values for {', '.join(missing[:5])}")
+        for key, value in values.items():
+            if key not in targets:
+                raise MinigistError(f"{path}: '{key}' is not a parameter of {self.model}")
+            if tuple(value.shape) != tuple(targets[key].shape):
+                raise MinigistError(f"{path}: '{key}' has shape {value.shape}, the net needs {targets[key].shape}")
+            targets[key][...] = self.xp.asarray(value)
+
+    # ---- description --------------------------------------------------------------------
+    def summary(self):
+        return summary(self.train_graph)
+
+
+def save_npz_atomic(path, arrays):
+    """np.savez to a temporary file in the same folder, fsync, then rename over `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            np.savez(out, **arrays)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def summary(graph):
+    """One row per layer (name, type, output shape, parameters), then `parameters: N`."""
+    rows = [("layer", "type", "output shape", "parameters")]
+    for node in graph.nodes:
+        layer = node.layer
+        shapes = ", ".join("x".join(str(d) for d in shape) or "scalar" for shape in layer.top_shapes)
+        count = sum(int(np.prod(p.shape)) for p in layer.params if p.learnable)
+        rows.append((layer.name, layer.type, shapes, f"{count:,}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.append(f"parameters: {graph.param_count()}")
+    return "\n".join(lines)

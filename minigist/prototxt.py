@@ -1,0 +1,210 @@
+"""Caffe's prototxt (protobuf text format), parsed and checked against Caffe's schema.
+
+`parse_net(text, path)` returns a `Msg` tree. Every field is checked against `caffe_schema`:
+an unknown field, a value of the wrong kind or a non-repeated field given twice is an error
+naming the file and line. Messages we do not interpret (e.g. `python_param`) are kept opaque.
+"""
+import re
+
+from .caffe_schema import SCHEMA, ENUMS
+from .errors import ModelFileError
+
+_TOKEN = re.compile(r"""
+    (?P<ws>[ \t\r\f\v]+)
+  | (?P<nl>\n)
+  | (?P<comment>\#[^\n]*)
+  | (?P<string>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')
+  | (?P<number>[-+]?(?:(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?[fF]?|inf(?:inity)?\b|nan\b))
+  | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
+  | (?P<punct>[{}<>:;,\[\]])
+""", re.VERBOSE)
+
+
+class Msg:
+    """One parsed message: fields in file order, each with the line it was written on."""
+
+    __slots__ = ("type_name", "line", "fields")
+
+    def __init__(self, type_name, line):
+        self.type_name = type_name
+        self.line = line
+        self.fields = []  # (name, value, line)
+
+    def has(self, name):
+        return any(f[0] == name for f in self.fields)
+
+    def get(self, name, default=None):
+        for field_name, value, _ in self.fields:
+            if field_name == name:
+                return value
+        return default
+
+    def all(self, name):
+        return [value for field_name, value, _ in self.fields if field_name == name]
+
+    def line_of(self, name):
+        for field_name, _, line in self.fields:
+            if field_name == name:
+                return line
+        return self.line
+
+    def __repr__(self):
+        return f"Msg({self.type_name}, line {self.line}, {[f[0] for f in self.fields]})"
+
+
+def _tokenize(text, path):
+    tokens = []
+    line = 1
+    pos = 0
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if match is None:
+            raise ModelFileError(path, line, f"unexpected character {text[pos]!r}")
+        kind = match.lastgroup
+        value = match.group(kind)
+        if kind == "nl":
+            line += 1
+        elif kind not in ("ws", "comment"):
+            tokens.append((kind, value, line))
+        pos = match.end()
+    tokens.append(("eof", "", line))
+    return tokens
+
+
+def _unquote(token):
+    body = token[1:-1]
+    return re.sub(r"\\(.)", lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), m.group(1)), body)
+
+
+class _Parser:
+    def __init__(self, text, path):
+        self.path = path
+        self.tokens = _tokenize(text, path)
+        self.pos = 0
+
+    def peek(self):
+        return self.tokens[self.pos]
+
+    def take(self):
+        token = self.tokens[self.pos]
+        self.pos += 1
+        return token
+
+    def fail(self, line, message):
+        raise ModelFileError(self.path, line, message)
+
+    def parse_message(self, type_name, line, closer):
+        msg = Msg(type_name, line)
+        fields = SCHEMA.get(type_name)  # None: an opaque message, any fields accepted
+        seen = set()
+        while True:
+            kind, value, tok_line = self.peek()
+            if kind == "eof":
+                if closer != "eof":
+                    self.fail(tok_line, f"missing '{closer}' for the block opened on line {line}")
+                return msg
+            if kind == "punct" and value == closer:
+                self.take()
+                return msg
+            if kind == "punct" and value in ";,":
+                self.take()
+                continue
+            if kind != "ident":
+                self.fail(tok_line, f"expected a field name, found {value!r}")
+            self.take()
+            name = value
+            spec = None
+            if fields is not None:
+                spec = fields.get(name)
+                if spec is None:
+                    self.fail(tok_line, f"unknown field '{name}' in {type_name}")
+                repeated = spec.startswith("*")
+                if not repeated and name in seen:
+                    self.fail(tok_line, f"field '{name}' given twice in {type_name}")
+                seen.add(name)
+                spec = spec.lstrip("*")
+            kind, value, value_line = self.peek()
+            if kind == "punct" and value == ":":
+                self.take()
+                kind, value, value_line = self.peek()
+            if kind == "punct" and value in "{<":
+                self.take()
+                sub_type = spec if spec is not None else "?"
+                if spec is not None and (spec in _SCALARS or spec in ENUMS):
+                    self.fail(tok_line, f"field '{name}' takes a value, not a block")
+                closer_tok = "}" if value == "{" else ">"
+                msg.fields.append((name, self.parse_message(sub_type, tok_line, closer_tok), tok_line))
+            elif kind == "punct" and value == "[":
+                self.take()
+                while True:
+                    kind, value, value_line = self.take()
+                    if kind == "punct" and value == "]":
+                        break
+                    if kind == "punct" and value == ",":
+                        continue
+                    msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), tok_line))
+            else:
+                self.take()
+                msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), tok_line))
+
+    def convert(self, spec, kind, value, line, name, type_name):
+        if kind in ("eof", "punct"):
+            self.fail(line, f"field '{name}' has no value")
+        if spec is None:  # opaque message: keep raw text
+            return _unquote(value) if kind == "string" else value
+        if spec in SCHEMA:
+            self.fail(line, f"field '{name}' in {type_name} is a block: write {name} {{ ... }}")
+        if spec == "string":
+            if kind != "string":
+                self.fail(line, f"field '{name}' takes a quoted string, found {value}")
+            return _unquote(value)
+        if spec == "bool":
+            lowered = value.lower()
+            if kind in ("ident", "number") and lowered in ("true", "false", "1", "0", "t", "f"):
+                return lowered in ("true", "1", "t")
+            self.fail(line, f"field '{name}' takes true or false, found {value}")
+        if spec in ("int", "uint"):
+            if kind != "number":
+                self.fail(line, f"field '{name}' takes an integer, found {value}")
+            try:
+                number = int(value)
+            except ValueError:
+                self.fail(line, f"field '{name}' takes an integer, found {value}")
+            if spec == "uint" and number < 0:
+                self.fail(line, f"field '{name}' cannot be negative, found {value}")
+            return number
+        if spec == "float":
+            if kind != "number":
+                self.fail(line, f"field '{name}' takes a number, found {value}")
+            return float(value.rstrip("fF")) if not value.lower().startswith(("inf", "-inf", "+inf", "nan")) else float(value)
+        if spec in ENUMS:
+            allowed = ENUMS[spec]
+            if kind == "string":
+                value = _unquote(value)
+            elif kind == "number" and value.isdigit():
+                index = int(value)
+                if index < len(allowed):
+                    return allowed[index]
+            if value not in allowed:
+                self.fail(line, f"field '{name}' takes one of {', '.join(allowed)}; found {value}")
+            return value
+        raise AssertionError(f"schema type {spec} unknown")
+
+
+_SCALARS = ("string", "bool", "int", "uint", "float")
+
+
+def parse(text, path="<string>", root="NetParameter"):
+    """Parse prototxt text into a `Msg` of type `root`, checked against the schema."""
+    return _Parser(text, path).parse_message(root, 1, "eof")
+
+
+def parse_file(path, root="NetParameter"):
+    try:
+        with open(path, "r", encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        raise ModelFileError(path, 0, "model file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelFileError(path, 0, f"cannot read model file: {exc}") from None
+    return parse(text, str(path), root)

@@ -1,0 +1,171 @@
+"""Whole networks: a finite-difference gradient check through a branching graph, training,
+determinism, save/load and the summary."""
+import numpy as np
+import pytest
+
+import minigist
+from minigist.errors import MinigistError
+
+BRANCHY = """
+name: "branchy"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 6 dim: 4 dim: 3 dim: 3 } shape { dim: 6 } } }
+layer { name: "fc_a" type: "InnerProduct" bottom: "data" top: "a"
+  inner_product_param { num_output: 7 weight_filler { type: "gaussian" std: 0.3 } bias_filler { type: "uniform" min: -0.1 max: 0.1 } } }
+layer { name: "bn_a" type: "BatchNorm" bottom: "a" top: "a" }
+layer { name: "scale_a" type: "Scale" bottom: "a" top: "a" scale_param { bias_term: true filler { type: "uniform" min: 0.5 max: 1.5 } } }
+layer { name: "fc_b" type: "InnerProduct" bottom: "data" top: "b"
+  inner_product_param { num_output: 7 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "s" eltwise_param { coeff: 1 coeff: -0.7 } }
+layer { name: "cat" type: "Concat" bottom: "s" bottom: "b" top: "c" }
+layer { name: "tanh_free" type: "Softmax" bottom: "c" top: "p" }
+layer { name: "fc_out" type: "InnerProduct" bottom: "p" top: "out"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1.0 } } }
+layer { name: "fc_side" type: "InnerProduct" bottom: "s" top: "side"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+layer { name: "loss_side" type: "SoftmaxWithLoss" bottom: "side" bottom: "label" top: "loss_side" loss_weight: 0.3 }
+layer { name: "acc" type: "Accuracy" bottom: "out" bottom: "label" top: "acc" include { phase: TEST } }
+"""
+
+
+@pytest.fixture
+def branchy(tmp_path):
+    path = tmp_path / "branchy.prototxt"
+    path.write_text(BRANCHY)
+    return path
+
+
+def batch(shape=(6, 4, 3, 3), classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape), rng.integers(0, classes, size=shape[0]).astype(np.float64)
+
+
+def test_whole_network_gradient_check(branchy):
+    net = minigist.Net(branchy, dtype=np.float64, seed=3)
+    data, label = batch()
+    net.forward_backward(data, label)
+    grads = {k: v.copy() for k, v in net.grads().items()}
+    # every learned parameter gets a gradient; BN's running statistics do not
+    assert set(grads) == {"fc_a.weight", "fc_a.bias", "scale_a.scale", "scale_a.bias",
+                          "fc_b.weight", "fc_b.bias", "fc_out.weight", "fc_out.bias",
+                          "fc_side.weight", "fc_side.bias"}
+    params = net.params()
+    rng = np.random.default_rng(0)
+    eps = 1e-6
+    for name, analytic in grads.items():
+        flat = params[name].reshape(-1)
+        for k in rng.choice(flat.size, size=min(flat.size, 8), replace=False):
+            keep = flat[k]
+            flat[k] = keep + eps
+            plus = net.forward_backward(data, label)
+            flat[k] = keep - eps
+            minus = net.forward_backward(data, label)
+            flat[k] = keep
+            numeric = (plus - minus) / (2 * eps)
+            assert analytic.reshape(-1)[k] == pytest.approx(numeric, rel=1e-5, abs=1e-8), (name, k)
+
+
+def test_gradient_accumulates_over_consumers(branchy):
+    """'b' feeds fc_b's two consumers and 's' two: the program adds their gradients."""
+    net = minigist.Net(branchy, dtype=np.float64)
+    kinds = [step.kind for step in net.programs["train"].steps]
+    assert kinds.count("accumulate") == 2
+
+
+def test_same_seed_same_weights_and_training(branchy):
+    data, label = batch()
+    runs = []
+    for _ in range(2):
+        net = minigist.Net(branchy, seed=11)
+        losses = [net.train_step(data.astype(np.float32), label) for _ in range(3)]
+        runs.append((losses, {k: v.copy() for k, v in net.params().items()}))
+    assert runs[0][0] == runs[1][0]
+    for key in runs[0][1]:
+        np.testing.assert_array_equal(runs[0][1][key], runs[1][1][key])
+    other = minigist.Net(branchy, seed=12)
+    assert not np.array_equal(other.params()["fc_a.weight"], runs[0][1]["fc_a.weight"])
+
+
+def test_sgd_matches_caffe_update_rule(tmp_path):
+    path = tmp_path / "lin.prototxt"
+    path.write_text("""
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 4 dim: 3 } shape { dim: 4 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"
+  param { lr_mult: 2 decay_mult: 0.5 } param { lr_mult: 0 }
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" } bias_filler { type: "constant" value: 0.25 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+""")
+    net = minigist.Net(path, dtype=np.float64, solver=minigist.SGD(lr=0.1, momentum=0.9, weight_decay=0.01))
+    data, label = batch((4, 3), classes=2)
+    weight = net.params()["fc.weight"].copy()
+    history = np.zeros_like(weight)
+    for _ in range(3):
+        net.forward_backward(data, label)
+        grad = net.grads()["fc.weight"].copy()
+        assert "fc.bias" not in net.grads()        # lr_mult 0: frozen, no gradient buffer
+        net.train_step(data, label)
+        grad = grad + 0.01 * 0.5 * weight
+        history = 0.9 * history + 0.1 * 2 * grad
+        weight = weight - history
+        np.testing.assert_allclose(net.params()["fc.weight"], weight, rtol=1e-12)
+    assert np.all(net.params()["fc.bias"] == 0.25)
+
+
+def test_training_reduces_loss(branchy):
+    net = minigist.Net(branchy, seed=0, solver=minigist.SGD(lr=0.05, momentum=0.9))
+    data, label = batch()
+    data = data.astype(np.float32)
+    first = net.train_step(data, label)
+    for _ in range(30):
+        last = net.train_step(data, label)
+    assert last < 0.5 * first
+    out = net.evaluate(data, label)
+    assert set(out) == {"loss", "loss_side", "acc"}
+    assert out["acc"] == 1.0
+
+
+def test_save_and_load_round_trip(branchy, tmp_path):
+    net = minigist.Net(branchy, seed=1)
+    data, label = batch()
+    net.train_step(data.astype(np.float32), label)
+    target = tmp_path / "w" / "weights.npz"
+    net.save(target, with_momentum=True)
+    other = minigist.Net(branchy, seed=2)
+    other.load(target)
+    for key, value in net.params().items():
+        np.testing.assert_array_equal(other.params()[key], value)
+    assert net.train_step(data.astype(np.float32), label) == other.train_step(data.astype(np.float32), label)
+    with np.load(target, allow_pickle=False) as stored:
+        assert "momentum:fc_a.weight" in stored.files and "bn_a.mean" in stored.files
+
+
+def test_load_errors(branchy, tmp_path):
+    net = minigist.Net(branchy)
+    with pytest.raises(MinigistError, match="not found"):
+        net.load(tmp_path / "missing.npz")
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(MinigistError, match="bad.npz"):
+        net.load(bad)
+    wrong = tmp_path / "wrong.npz"
+    values = {k: np.asarray(v) for k, v in net.params().items()}
+    values["fc_a.weight"] = np.zeros((2, 2), np.float32)
+    np.savez(wrong, **values)
+    with pytest.raises(MinigistError, match="fc_a.weight"):
+        net.load(wrong)
+
+
+def test_input_shape_is_checked(branchy):
+    net = minigist.Net(branchy)
+    with pytest.raises(MinigistError, match="shape"):
+        net.train_step(np.zeros((5, 4, 3, 3), np.float32), np.zeros(5))
+
+
+def test_summary_lists_layers_and_parameter_count(branchy):
+    net = minigist.Net(branchy)
+    text = net.summary()
+    assert text.splitlines()[-1] == f"parameters: {net.train_graph.param_count()}"
+    expected = (36 * 7 + 7) + (7 + 7) + (36 * 7 + 7) + (14 * 3 + 3) + (7 * 3 + 3)
+    assert net.train_graph.param_count() == expected
+    assert "fc_a" in text and "InnerProduct" in text and "6x7" in text
