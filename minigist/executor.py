@@ -1,6 +1,8 @@
 """The executor: binds each step of a program to array views, then runs them in a plain loop."""
 import numpy as np
 
+from .memory.plan import schedule
+
 
 class SGD:
     """Caffe's SGD with momentum: g += decay * decay_mult * w; v = momentum * v +
@@ -63,7 +65,8 @@ def bind_step(step, arrays, xp, solver):
 
 
 class Executor:
-    """Runs a program whose buffers are all bound: `for step in steps: step()`."""
+    """Runs a program whose buffers all have fixed places (none and static modes):
+    every step is bound once, then `for step in steps: step()`."""
 
     def __init__(self, program, arrays, xp, solver=None):
         self.program = program
@@ -71,6 +74,66 @@ class Executor:
         self.steps = [bind_step(step, arrays, xp, solver) for step in program.steps]
         self.update_start = program.update_start
 
-    def run(self, update=True):
+    def run(self, feed, collect, update=True):
+        """feed(arrays) writes the inputs; collect(arrays) reads the outputs, which it returns."""
+        feed(self.arrays)
         for step in (self.steps if update else self.steps[:self.update_start]):
             step()
+        return collect(self.arrays)
+
+
+class DynamicExecutor:
+    """Runs a program through a live Pool: before each step it allocates the storages that
+    start there, after it frees those that end there. A step is re-bound only when the pool
+    hands its buffers other offsets than last time."""
+
+    def __init__(self, program, plan, arena, base, persistent_arrays, xp, solver, pool):
+        self.program = program
+        self.plan = plan
+        self.arena = arena
+        self.base = base
+        self.persistent_arrays = persistent_arrays
+        self.xp = xp
+        self.solver = solver
+        self.pool = pool
+        self.allocs, self.frees = schedule(plan.groups, len(program.steps))
+        self.step_groups = [sorted({plan.group_of[name] for name in step.buffer_names()
+                                    if name in plan.group_of}) for step in program.steps]
+        self.bound = [None] * len(program.steps)
+        self.update_start = program.update_start
+
+    def _array(self, name, offsets):
+        if name in self.persistent_arrays:
+            return self.persistent_arrays[name]
+        buffer = self.program.buffers[name]
+        return view(self.arena, self.base + offsets[self.plan.group_of[name]], buffer.shape, buffer.dtype)
+
+    def _arrays(self, names, offsets):
+        return {name: self._array(name, offsets) for name in names}
+
+    def run(self, feed, collect, update=True):
+        groups = self.plan.groups
+        offsets = [None] * len(groups)
+        end = len(self.program.steps) if update else self.update_start
+        program_steps = self.program.steps
+        inputs = [n for n, b in self.program.buffers.items() if b.category == "input"]
+        for index in range(end):
+            for group in self.allocs[index]:
+                offsets[group] = self.pool.malloc(groups[group].nbytes)
+            if index == 0:
+                feed(self._arrays(inputs, offsets))
+            key = tuple(offsets[g] for g in self.step_groups[index])
+            if self.bound[index] is None or self.bound[index][0] != key:
+                step = program_steps[index]
+                arrays = self._arrays(step.buffer_names(), offsets)
+                self.bound[index] = (key, bind_step(step, arrays, self.xp, self.solver))
+            self.bound[index][1]()
+            if index < end - 1:
+                for group in self.frees[index]:
+                    self.pool.free(offsets[group])
+                    offsets[group] = None
+        result = collect(self._arrays(self.program.outputs.values(), offsets))
+        for group, offset in enumerate(offsets):
+            if offset is not None:
+                self.pool.free(offset)
+        return result

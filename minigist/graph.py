@@ -87,7 +87,14 @@ def _layer_specs(net, path, phase):
     net_inputs = net.all("input")
     if net_inputs:
         yield _net_input_spec(net, path)
+    else:
+        for orphan in ("input_shape", "input_dim"):
+            if net.has(orphan):
+                raise ModelFileError(path, net.line_of(orphan), f"'{orphan}' given without a net-level 'input' to name the blob")
     for msg in net.all("layer") + net.all("layers"):
+        if msg.has("include") and msg.has("exclude"):
+            raise ModelFileError(path, msg.line_of("exclude"),
+                                 f"layer '{msg.get('name', '')}': give include rules or exclude rules, not both")
         if _included(msg, phase):
             yield layer_spec(msg, path, phase)
 
@@ -105,6 +112,8 @@ def layer_spec(msg, path, phase):
         raise ModelFileError(path, msg.line, f"layer '{name}' has no type")
     if legacy:
         type_name = V1_TYPE_NAMES.get(type_name, type_name)
+        if msg.has("param"):
+            raise ModelFileError(path, msg.line_of("param"), f"layer '{name}': shared parameters (param: \"...\") are not supported")
         lrs, decays = msg.all("blobs_lr"), msg.all("weight_decay")
         param_specs = [(lrs[i] if i < len(lrs) else 1.0, decays[i] if i < len(decays) else 1.0)
                        for i in range(max(len(lrs), len(decays)))]
@@ -123,7 +132,7 @@ def _net_input_spec(net, path):
     names = net.all("input")
     dims = net.all("input_dim")
     shapes = [tuple(s.all("dim")) for s in net.all("input_shape")]
-    if dims:
+    if dims and not shapes:  # Caffe uses input_shape when a file gives both
         if len(dims) != 4 * len(names):
             raise ModelFileError(path, net.line_of("input_dim"),
                                  f"{len(names)} input(s) need {4 * len(names)} input_dim values, got {len(dims)}")
@@ -139,6 +148,12 @@ def _net_input_spec(net, path):
     msg.fields.append(("input_param", input_param, msg.line))
     return LayerSpec(name="input", type="Input", bottoms=[], tops=list(names), msg=msg,
                      path=path, line=msg.line)
+
+
+def _field_lines(spec, name):
+    """The line of each value of a repeated field of the layer (the layer's line if synthesized)."""
+    lines = [line for field_name, _, line in spec.msg.fields if field_name == name]
+    return lines if lines else [spec.line] * len(getattr(spec, name + "s"))
 
 
 def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=np.float32,
@@ -172,10 +187,11 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
         if len(spec.tops) < lo or (hi is not None and len(spec.tops) > hi):
             want = f"{lo}" if lo == hi else f"{lo} to {hi if hi is not None else 'any'}"
             raise ModelFileError(path, spec.line, f"layer '{spec.name}' ({spec.type}) gives {want} top(s), got {len(spec.tops)}")
+        bottom_lines = _field_lines(spec, "bottom")
         bottom_ids = []
-        for name in spec.bottoms:
+        for name, line in zip(spec.bottoms, bottom_lines):
             if name not in current:
-                raise ModelFileError(path, spec.msg.line_of("bottom"),
+                raise ModelFileError(path, line,
                                      f"layer '{spec.name}': bottom '{name}' is not produced by any earlier layer")
             bottom_ids.append(current[name])
         try:
@@ -191,13 +207,14 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
                 raise ModelFileError(path, spec.line, f"layer '{spec.name}' ({spec.type}): output shape {shape} is empty; the input is too small for this layer")
         index = len(nodes)
         top_ids = []
+        top_lines = _field_lines(spec, "top")
         for top_index, name in enumerate(spec.tops):
             if name in current and name not in spec.bottoms:
-                raise ModelFileError(path, spec.msg.line_of("top"),
+                raise ModelFileError(path, top_lines[top_index],
                                      f"layer '{spec.name}': top '{name}' is already produced by another layer")
             blob_id = name if name not in current else f"{name}@{spec.name}"
             if blob_id in blobs or name in top_ids:
-                raise ModelFileError(path, spec.msg.line_of("top"), f"layer '{spec.name}': top '{name}' given twice")
+                raise ModelFileError(path, top_lines[top_index], f"layer '{spec.name}': top '{name}' given twice")
             blobs[blob_id] = Blob(blob_id, name, layer.top_shapes[top_index], index, top_index)
             top_ids.append(blob_id)
         for bottom_index, blob_id in enumerate(bottom_ids):
@@ -206,9 +223,12 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
             current[name] = blob_id
         nodes.append(Node(layer, bottom_ids, top_ids))
         weights = list(spec.loss_weights) or ([1.0] if layer.is_loss else [])
-        if len(weights) > len(top_ids):
+        if spec.loss_weights and len(spec.loss_weights) != len(top_ids):  # Caffe: none or one per top
             raise ModelFileError(path, spec.msg.line_of("loss_weight"),
-                                 f"layer '{spec.name}' has {len(weights)} loss_weight values for {len(top_ids)} top(s)")
+                                 f"layer '{spec.name}' has {len(weights)} loss_weight values for {len(top_ids)} top(s); give none or one per top")
+        if spec.propagate_down and len(spec.propagate_down) != len(bottom_ids):
+            raise ModelFileError(path, spec.msg.line_of("propagate_down"),
+                                 f"layer '{spec.name}' has {len(spec.propagate_down)} propagate_down values for {len(bottom_ids)} bottom(s); give none or one per bottom")
         for blob_id, weight in zip(top_ids, weights):
             if weight != 0.0:
                 if int(np.prod(blobs[blob_id].shape)) != 1:

@@ -16,16 +16,19 @@ import numpy as np
 
 from .backend import get_xp, to_numpy
 from .errors import MinigistError
-from .executor import SGD, Executor, view
+from .executor import SGD, DynamicExecutor, Executor, view
 from .fillers import fill
 from .graph import build_graph
 from .memory import plan_none
+from .memory.plan import MemoryPlan
+from .memory.pool import Pool
+from .memory.report import footprint_report
 from .program import build_program, param_buffer_names
 
 
 class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
-                 seed=0, solver=None):
+                 seed=0, solver=None, alloc="static", memory_budget=None):
         self.xp = get_xp(device)
         self.dtype = np.dtype(dtype)
         self.seed = seed
@@ -36,9 +39,8 @@ class Net:
         self.programs = {"train": build_program(self.graphs["TRAIN"], train=True),
                          "eval": build_program(self.graphs["TEST"], train=False)}
         self.solver = solver or SGD()
-        self._allocate()
-        self.executors = {key: Executor(program, self.program_arrays[key], self.xp, self.solver)
-                          for key, program in self.programs.items()}
+        self.alloc = alloc
+        self._allocate(alloc, memory_budget)
         self._init_params(seed)
         self.rng = self._make_rng(seed + 1)
         for graph in self.graphs.values():
@@ -46,7 +48,8 @@ class Net:
                 layer.rng = self.rng
 
     # ---- construction -------------------------------------------------------------------
-    def _allocate(self):
+    def _allocate(self, alloc, memory_budget):
+        """Plan both programs, then carve every array out of one arena."""
         persistent = {}
         for program in self.programs.values():
             for name, buffer in program.buffers.items():
@@ -55,27 +58,35 @@ class Net:
                     if known.shape != buffer.shape:
                         raise MinigistError(f"{self.model}: parameter {name} has shape {buffer.shape} "
                                             f"in TEST but {known.shape} in TRAIN")
-        persistent_offsets, persistent_bytes = plan_none({n: b.nbytes for n, b in persistent.items()})
-        self.persistent_bytes = persistent_bytes
-        self.plans = {}
-        transient_bytes = 0
-        for key, program in self.programs.items():
-            sizes = {n: b.nbytes for n, b in program.buffers.items() if not b.persistent}
-            offsets, total = plan_none(sizes)
-            self.plans[key] = (offsets, total)
-            transient_bytes = max(transient_bytes, total)
-        self.arena_bytes = persistent_bytes + transient_bytes
+        persistent_offsets, self.persistent_bytes = plan_none({n: b.nbytes for n, b in persistent.items()})
+        self.plans = {key: MemoryPlan(program, alloc) for key, program in self.programs.items()}
+        if memory_budget is not None and alloc != "dynamic":   # the pool checks as it runs
+            self.plans["train"].check_budget(memory_budget, self.persistent_bytes - self.plans["train"].persistent_bytes)
+        if alloc == "dynamic":
+            # address space the pool may grow into: no plan can need more than no sharing
+            transient = max(plan_none({i: g.nbytes for i, g in enumerate(plan.groups)})[1]
+                            for plan in self.plans.values())
+        else:
+            transient = max(plan.transient_bytes for plan in self.plans.values())
+        self.arena_bytes = self.persistent_bytes + transient
         self.arena = self.xp.empty(self.arena_bytes, dtype=np.uint8)
-        # every array is a view into the one arena; persistent views are shared by programs
         self.arrays = {name: view(self.arena, persistent_offsets[name], buffer.shape, buffer.dtype)
                        for name, buffer in persistent.items()}
-        self.program_arrays = {}
+        self.executors = {}
+        if alloc == "dynamic":
+            limit = None if memory_budget is None else memory_budget - self.persistent_bytes
+            self.pool = Pool(limit=limit)
+            for key, program in self.programs.items():
+                self.executors[key] = DynamicExecutor(program, self.plans[key], self.arena, self.persistent_bytes,
+                                                      self.arrays, self.xp, self.solver, self.pool)
+            return
+        self.pool = None
         for key, program in self.programs.items():
-            offsets, _ = self.plans[key]
-            self.program_arrays[key] = {
-                name: self.arrays[name] if buffer.persistent else
-                view(self.arena, persistent_bytes + offsets[name], buffer.shape, buffer.dtype)
-                for name, buffer in program.buffers.items()}
+            plan = self.plans[key]
+            arrays = {name: self.arrays[name] if buffer.persistent else
+                      view(self.arena, self.persistent_bytes + plan.offset(name), buffer.shape, buffer.dtype)
+                      for name, buffer in program.buffers.items()}
+            self.executors[key] = Executor(program, arrays, self.xp, self.solver)
 
     def _make_rng(self, seed):
         if self.xp is np:
@@ -103,46 +114,55 @@ class Net:
                         self.arrays[name].fill(0)
 
     # ---- running ------------------------------------------------------------------------
-    def _feed(self, key, inputs):
+    def _feeder(self, key, inputs):
         graph = self.programs[key].graph
-        data_nodes = [node for node in graph.nodes if node.layer.is_data]
-        tops = [top for node in data_nodes for top in node.tops]
+        tops = [top for node in graph.nodes if node.layer.is_data for top in node.tops]
         if len(inputs) > len(tops):
             raise MinigistError(f"{len(inputs)} inputs given, the net takes {len(tops)} ({', '.join(tops)})")
-        arrays = self.program_arrays[key]
         for top, value in zip(tops, inputs):
-            target = arrays[f"blob:{top}"]
-            if tuple(np.shape(value)) != target.shape:
-                raise MinigistError(f"input '{top}' must have shape {target.shape}, got {tuple(np.shape(value))}")
-            target[...] = self.xp.asarray(value, dtype=target.dtype)
+            want = graph.blobs[top].shape
+            if tuple(np.shape(value)) != want:
+                raise MinigistError(f"input '{top}' must have shape {want}, got {tuple(np.shape(value))}")
 
-    def _loss(self, key):
-        arrays = self.program_arrays[key]
-        return float(sum(weight * float(arrays[name]) for name, weight in self.programs[key].loss_weights.items()))
+        def feed(arrays):
+            for top, value in zip(tops, inputs):
+                target = arrays[f"blob:{top}"]
+                target[...] = self.xp.asarray(value, dtype=target.dtype)
+        return feed
+
+    def _weighted_loss(self, key):
+        weights = self.programs[key].loss_weights
+
+        def collect(arrays):
+            return float(sum(weight * float(arrays[name]) for name, weight in weights.items()))
+        return collect
 
     def forward_backward(self, *inputs):
         """Forward and backward on one batch, no update; returns the weighted loss."""
-        self._feed("train", inputs)
-        self.executors["train"].run(update=False)
-        return self._loss("train")
+        return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"),
+                                           update=False)
 
     def train_step(self, *inputs):
         """One SGD iteration on one batch (data, label); returns the weighted loss."""
-        self._feed("train", inputs)
-        self.executors["train"].run(update=True)
-        return self._loss("train")
+        return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
 
     def evaluate(self, *inputs):
         """TEST-phase forward; returns {output blob: value} for the blobs no layer consumes
         (scalars as floats, other blobs as numpy arrays)."""
-        self._feed("eval", inputs)
-        self.executors["eval"].run()
-        arrays = self.program_arrays["eval"]
-        result = {}
-        for blob, name in self.programs["eval"].outputs.items():
-            value = to_numpy(arrays[name])
-            result[blob] = float(value) if value.ndim == 0 else value.copy()
-        return result
+        outputs = self.programs["eval"].outputs
+
+        def collect(arrays):
+            result = {}
+            for blob, name in outputs.items():
+                value = to_numpy(arrays[name])
+                result[blob] = float(value) if value.ndim == 0 else value.copy()
+            return result
+        return self.executors["eval"].run(self._feeder("eval", inputs), collect)
+
+    def report(self):
+        """The footprint report (a dict) of the training program under this net's mode."""
+        return footprint_report(self.plans["train"], model=self.model,
+                                parameters=self.train_graph.param_count())
 
     # ---- parameters ---------------------------------------------------------------------
     def params(self):
@@ -247,3 +267,11 @@ def summary(graph):
     lines.insert(1, "-" * len(lines[0]))
     lines.append(f"parameters: {graph.param_count()}")
     return "\n".join(lines)
+
+
+def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32):
+    """The footprint report of one training iteration, computed from shapes alone: no array
+    is allocated and nothing runs."""
+    graph = build_graph(model, "TRAIN", batch_size, input_size, dtype)
+    program = build_program(graph, train=True)
+    return footprint_report(MemoryPlan(program, alloc), model=str(model), parameters=graph.param_count())

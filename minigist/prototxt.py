@@ -14,7 +14,7 @@ _TOKEN = re.compile(r"""
   | (?P<nl>\n)
   | (?P<comment>\#[^\n]*)
   | (?P<string>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')
-  | (?P<number>[-+]?(?:(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?[fF]?|inf(?:inity)?\b|nan\b))
+  | (?P<number>[-+]?(?:(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?[fF]?|(?i:inf(?:inity)?|nan)\b))
   | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
   | (?P<punct>[{}<>:;,\[\]])
 """, re.VERBOSE)
@@ -59,6 +59,8 @@ def _tokenize(text, path):
     while pos < len(text):
         match = _TOKEN.match(text, pos)
         if match is None:
+            if text[pos] in "\"'":
+                raise ModelFileError(path, line, "unterminated string: a string must end on the line it starts")
             raise ModelFileError(path, line, f"unexpected character {text[pos]!r}")
         kind = match.lastgroup
         value = match.group(kind)
@@ -67,13 +69,25 @@ def _tokenize(text, path):
         elif kind not in ("ws", "comment"):
             tokens.append((kind, value, line))
         pos = match.end()
-    tokens.append(("eof", "", line))
+    tokens.append(("eof", "", tokens[-1][2] if tokens else 1))  # errors at the end point at the last line
     return tokens
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
+
+
+def _unescape(match):
+    code = match.group(1)
+    if code[0] in "xX":
+        return chr(int(code[1:], 16))
+    if code[0] in "01234567":
+        return chr(int(code, 8))
+    return _ESCAPES.get(code, code)
+
+
 def _unquote(token):
-    body = token[1:-1]
-    return re.sub(r"\\(.)", lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), m.group(1)), body)
+    """The text of a quoted string, with protobuf's C escapes (\\n, \\", \\101, \\x41) resolved."""
+    return re.sub(r"\\([xX][0-9A-Fa-f]{1,2}|[0-7]{1,3}|.)", _unescape, token[1:-1])
 
 
 class _Parser:
@@ -101,7 +115,7 @@ class _Parser:
             kind, value, tok_line = self.peek()
             if kind == "eof":
                 if closer != "eof":
-                    self.fail(tok_line, f"missing '{closer}' for the block opened on line {line}")
+                    self.fail(tok_line, f"missing '{closer}' at the end of the file for the block opened on line {line}")
                 return msg
             if kind == "punct" and value == closer:
                 self.take()
@@ -109,11 +123,13 @@ class _Parser:
             if kind == "punct" and value in ";,":
                 self.take()
                 continue
+            if kind == "punct" and value in "}>":
+                self.fail(tok_line, f"'{value}' does not close any block")
             if kind != "ident":
                 self.fail(tok_line, f"expected a field name, found {value!r}")
             self.take()
             name = value
-            spec = None
+            spec, repeated = None, True
             if fields is not None:
                 spec = fields.get(name)
                 if spec is None:
@@ -128,31 +144,41 @@ class _Parser:
                 self.take()
                 kind, value, value_line = self.peek()
             if kind == "punct" and value in "{<":
-                self.take()
-                sub_type = spec if spec is not None else "?"
-                if spec is not None and (spec in _SCALARS or spec in ENUMS):
-                    self.fail(tok_line, f"field '{name}' takes a value, not a block")
-                closer_tok = "}" if value == "{" else ">"
-                msg.fields.append((name, self.parse_message(sub_type, tok_line, closer_tok), tok_line))
+                msg.fields.append((name, self.parse_block(spec, name, tok_line), tok_line))
             elif kind == "punct" and value == "[":
                 self.take()
+                if not repeated:
+                    self.fail(tok_line, f"field '{name}' in {type_name} is not repeated: give one value, not a list")
                 while True:
-                    kind, value, value_line = self.take()
-                    if kind == "punct" and value == "]":
-                        break
-                    if kind == "punct" and value == ",":
-                        continue
-                    msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), tok_line))
+                    kind, value, value_line = self.peek()
+                    if kind == "eof":
+                        self.fail(value_line, f"missing ']' at the end of the file for the list opened on line {tok_line}")
+                    if kind == "punct" and value in "],":
+                        self.take()
+                        if value == "]":
+                            break
+                    elif kind == "punct" and value in "{<":
+                        msg.fields.append((name, self.parse_block(spec, name, value_line), value_line))
+                    else:
+                        self.take()
+                        msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), value_line))
             else:
                 self.take()
                 msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), tok_line))
+
+    def parse_block(self, spec, name, line):
+        """The `{ ... }` or `< ... >` value of field `name`, its opener being the next token."""
+        _, opener, _ = self.take()
+        if spec is not None and (spec in _SCALARS or spec in ENUMS):
+            self.fail(line, f"field '{name}' takes a value, not a block")
+        return self.parse_message(spec if spec is not None else "?", line, "}" if opener == "{" else ">")
 
     def convert(self, spec, kind, value, line, name, type_name):
         if kind in ("eof", "punct"):
             self.fail(line, f"field '{name}' has no value")
         if spec is None:  # opaque message: keep raw text
             return _unquote(value) if kind == "string" else value
-        if spec in SCHEMA:
+        if spec not in _SCALARS and spec not in ENUMS:  # a message type, checked or opaque
             self.fail(line, f"field '{name}' in {type_name} is a block: write {name} {{ ... }}")
         if spec == "string":
             if kind != "string":
@@ -201,7 +227,7 @@ def parse(text, path="<string>", root="NetParameter"):
 
 def parse_file(path, root="NetParameter"):
     try:
-        with open(path, "r", encoding="utf-8") as handle:
+        with open(path, "r", encoding="utf-8-sig") as handle:  # -sig: skip a BOM
             text = handle.read()
     except FileNotFoundError:
         raise ModelFileError(path, 0, "model file not found") from None

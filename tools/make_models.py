@@ -129,8 +129,9 @@ class Net:
                 ("param", [("lr_mult", 2), ("decay_mult", 0)])]
 
     def conv(self, name, bottom, num_output, kernel, stride=1, pad=0, group=1, bias=True,
-             weight_filler=None, bias_filler=None, include=None):
-        """Convolution; `kernel` and `pad` are an int or an (h, w) pair."""
+             weight_filler=None, bias_filler=None, top=None, include=None):
+        """Convolution; `kernel` and `pad` are an int or an (h, w) pair; the top is named
+        after the layer unless `top` says otherwise."""
         (kh, kw), (ph, pw) = _pair(kernel), _pair(pad)
         p = [("num_output", num_output)]
         if not bias:
@@ -145,7 +146,7 @@ class Net:
         p.append(("weight_filler", weight_filler or msra()))
         if bias:
             p.append(("bias_filler", bias_filler or constant(0)))
-        return self.layer(name, "Convolution", [bottom], [name], *self._lr(bias),
+        return self.layer(name, "Convolution", [bottom], [top or name], *self._lr(bias),
                           ("convolution_param", p), include=include)
 
     def fc(self, name, bottom, num_output, weight_filler=None, bias_filler=None, include=None):
@@ -161,8 +162,10 @@ class Net:
         return self.layer(name, "Dropout", [blob], [blob],
                           ("dropout_param", [("dropout_ratio", ratio)]), include=include)
 
-    def pool(self, name, bottom, method, kernel=None, stride=1, pad=0, include=None):
-        """Pooling; kernel=None pools globally (global_pooling: true)."""
+    def pool(self, name, bottom, method, kernel=None, stride=1, pad=0, floor=False,
+             include=None):
+        """Pooling; kernel=None pools globally (global_pooling: true). Caffe rounds the output
+        size up; floor=True rounds it down as convolutions (and TensorFlow's pools) do."""
         p = [("pool", Enum(method))]
         if kernel is None:
             p.append(("global_pooling", True))
@@ -172,6 +175,8 @@ class Net:
                 p.append(("stride", stride))
         if pad:
             p.append(("pad", pad))
+        if floor:
+            p.append(("round_mode", Enum("FLOOR")))
         return self.layer(name, "Pooling", [bottom], [name], ("pooling_param", p),
                           include=include)
 
@@ -181,11 +186,11 @@ class Net:
 
     def bn_scale(self, bn_name, scale_name, blob):
         """BatchNorm + Scale (with bias), both in place, in Kaiming He's Caffe style. BatchNorm's
-        use_global_stats is left to Caffe's default: batch statistics in TRAIN, running
-        statistics in TEST."""
+        use_global_stats is left to Caffe's default (batch statistics in TRAIN, running
+        statistics in TEST); Scale's fillers to Caffe's defaults (scale 1, bias 0)."""
         self.layer(bn_name, "BatchNorm", [blob], [blob])
-        return self.layer(scale_name, "Scale", [blob], [blob], ("scale_param", [
-            ("bias_term", True), ("filler", constant(1)), ("bias_filler", constant(0))]))
+        return self.layer(scale_name, "Scale", [blob], [blob],
+                          ("scale_param", [("bias_term", True)]))
 
     def concat(self, name, bottoms):
         return self.layer(name, "Concat", bottoms, [name])
@@ -247,30 +252,30 @@ on fc6/fc7, the same fillers and learning-rate multipliers. Input 3x227x227.
 def nin():
     net = Net("NIN", """
 Network in Network (Lin et al. 2014), the ImageNet model of Caffe's model zoo
-("NIN-Imagenet"): four mlpconv blocks (a conv and two 1x1 "cccp" convs, each with ReLU),
-max pooling after the first three, dropout 0.5 before the last, and a 6x6 average pool over
-the 1000-channel output instead of fully connected layers (written as global_pooling, the
-same at 224x224, so the net also takes other input sizes). Input 3x224x224.
+("NIN-Imagenet", layer and blob names as there): four mlpconv blocks (a conv and two 1x1
+"cccp" convs, each with ReLU), max pooling after the first three, dropout 0.5 before the last,
+and a 6x6 average pool over the 1000-channel output instead of fully connected layers
+(written as global_pooling, the same at 224x224, so the net also takes other input sizes).
+He (msra) initialization instead of the zoo's small gaussians. Input 3x224x224.
 """, caffe_lr=True)
     b = net.input(IMAGENET_BATCH, 3, 224)
-    blocks = [  # (conv name, num_output, kernel, stride, pad, cccp names, pool after)
-        ("conv1", 96, 11, 4, 0, ("cccp1", "cccp2"), "pool0"),
-        ("conv2", 256, 5, 1, 2, ("cccp3", "cccp4"), "pool2"),
-        ("conv3", 384, 3, 1, 1, ("cccp5", "cccp6"), "pool3"),
-        ("conv4-1024", 1024, 3, 1, 1, ("cccp7-1024", "cccp8-1024"), None),
+    blocks = [  # (name, top, num_output, kernel, stride, pad, relu) ... then a pool or None
+        [("conv1", "conv1", 96, 11, 4, 0, "relu0"), ("cccp1", "cccp1", 96, 1, 1, 0, "relu1"),
+         ("cccp2", "cccp2", 96, 1, 1, 0, "relu2"), "pool0"],
+        [("conv2", "conv2", 256, 5, 1, 2, "relu3"), ("cccp3", "cccp3", 256, 1, 1, 0, "relu5"),
+         ("cccp4", "cccp4", 256, 1, 1, 0, "relu6"), "pool2"],
+        [("conv3", "conv3", 384, 3, 1, 1, "relu7"), ("cccp5", "cccp5", 384, 1, 1, 0, "relu8"),
+         ("cccp6", "cccp6", 384, 1, 1, 0, "relu9"), "pool3"],
+        [("conv4-1024", "conv4", 1024, 3, 1, 1, "relu10"),
+         ("cccp7-1024", "cccp7", 1024, 1, 1, 0, "relu11"),
+         ("cccp8-1024", "cccp8", 1000, 1, 1, 0, "relu12"), None],
     ]
-    relu = 0
-    for conv, num_output, kernel, stride, pad, cccps, pool in blocks:
-        if conv == "conv4-1024":
+    for *convs, pool in blocks:
+        if pool is None:
             net.dropout("drop", b, 0.5)
-        b = net.conv(conv, b, num_output, kernel, stride=stride, pad=pad)
-        net.relu(f"relu{relu}", b)
-        relu += 1
-        for cccp in cccps:
-            width = 1000 if cccp == "cccp8-1024" else num_output
-            b = net.conv(cccp, b, width, 1)
-            net.relu(f"relu{relu}", b)
-            relu += 1
+        for name, top, num_output, kernel, stride, pad, relu in convs:
+            b = net.conv(name, b, num_output, kernel, stride=stride, pad=pad, top=top)
+            net.relu(relu, b)
         if pool:
             b = net.pool(pool, b, "MAX", 3, 2)
     b = net.pool("pool4", b, "AVE")
@@ -430,13 +435,13 @@ bias-free and followed by BatchNorm + Scale + ReLU. No auxiliary head. Input 3x2
         return conv_bn(net, name, b, width, kernel, stride=stride, pad=pad)
 
     b = net.input(IMAGENET_BATCH, 3, 299)
-    b = cbr("conv1_3x3_s2", b, 32, 3, stride=2)          # 149
-    b = cbr("conv2_3x3", b, 32, 3)                        # 147
-    b = cbr("conv3_3x3", b, 64, 3, pad=1)                 # 147
-    b = net.pool("pool1_3x3_s2", b, "MAX", 3, 2)          # 73
-    b = cbr("conv4_1x1", b, 80, 1)                        # 73
-    b = cbr("conv5_3x3", b, 192, 3)                       # 71
-    b = net.pool("pool2_3x3_s2", b, "MAX", 3, 2)          # 35
+    b = cbr("conv1_3x3_s2", b, 32, 3, stride=2)  # 149
+    b = cbr("conv2_3x3", b, 32, 3)  # 147
+    b = cbr("conv3_3x3", b, 64, 3, pad=1)  # 147
+    b = net.pool("pool1_3x3_s2", b, "MAX", 3, 2, floor=True)  # 73
+    b = cbr("conv4_1x1", b, 80, 1)  # 73
+    b = cbr("conv5_3x3", b, 192, 3)  # 71
+    b = net.pool("pool2_3x3_s2", b, "MAX", 3, 2, floor=True)  # 35
 
     for name, pool_features in (("mixed_5b", 32), ("mixed_5c", 64), ("mixed_5d", 64)):
         # Inception-A: 1x1 64 | 1x1 48 - 5x5 64 | 1x1 64 - 3x3 96 - 3x3 96 | avg pool - 1x1
@@ -453,7 +458,7 @@ bias-free and followed by BatchNorm + Scale + ReLU. No auxiliary head. Input 3x2
     b3 = cbr(f"{name}/3x3_s2", b, 384, 3, stride=2)
     bd = cbr(f"{name}/3x3dbl_1", cbr(f"{name}/3x3dbl_reduce", b, 64, 1), 96, 3, pad=1)
     bd = cbr(f"{name}/3x3dbl_2_s2", bd, 96, 3, stride=2)
-    bp = net.pool(f"{name}/pool", b, "MAX", 3, 2)
+    bp = net.pool(f"{name}/pool", b, "MAX", 3, 2, floor=True)
     b = net.concat(f"{name}/output", [b3, bd, bp])
 
     for name, c7 in (("mixed_6b", 128), ("mixed_6c", 160), ("mixed_6d", 160), ("mixed_6e", 192)):
@@ -477,7 +482,7 @@ bias-free and followed by BatchNorm + Scale + ReLU. No auxiliary head. Input 3x2
     b7 = cbr(f"{name}/7x7x3_1x7", b7, 192, (1, 7), pad=(0, 3))
     b7 = cbr(f"{name}/7x7x3_7x1", b7, 192, (7, 1), pad=(3, 0))
     b7 = cbr(f"{name}/7x7x3_3x3_s2", b7, 192, 3, stride=2)
-    bp = net.pool(f"{name}/pool", b, "MAX", 3, 2)
+    bp = net.pool(f"{name}/pool", b, "MAX", 3, 2, floor=True)
     b = net.concat(f"{name}/output", [b3, b7, bp])
 
     for name in ("mixed_7b", "mixed_7c"):

@@ -1,1 +1,349 @@
-"""(being written)"""
+"""Convolution with Caffe's semantics (2-D, NCHW, axis 1), through im2col and GEMM.
+
+Arrays (x, y, gy, gx, weights) come from the executor; every tensor-sized temporary is a
+declared workspace:
+
+- `col`: the im2col columns of a chunk of `B` samples, laid out (b, C, kh, kw, OH, OW) so that
+  one batched matmul of W (g, O/g, C/g*kh*kw) against col (b, g, C/g*kh*kw, OH*OW) writes
+  straight into y viewed as (b, g, O/g, OH*OW);
+- `xpad`: the zero-padded input chunk the im2col view reads from (only with pad > 0);
+- backward: `gwn` (per-sample weight gradients of a chunk, summed over the chunk by one
+  reduction), `gwsum` (the sum of a later chunk), and for the input gradient either
+  `gypad` + `wflip` (stride 1: gx is the stride-1 convolution of the padded gy with the
+  flipped, transposed weights, so no col2im scatter is needed) or `gxpad` (any stride:
+  the columns W^T gy scattered back by one strided add per kernel offset).
+
+The chunk size B is chosen so that one chunk's columns take about `chunk_bytes` (at least
+one sample): it keeps the columns in cache between the copy and the GEMM on a CPU and bounds
+the workspace (Caffe itself works one sample at a time). Set the instance attribute
+`batch_chunk` (an int) before asking for workspaces to force a chunk size, e.g. the whole
+batch on a GPU.
+
+A 1x1 convolution with stride 1 and no padding needs no im2col: x itself is the column matrix.
+"""
+import numpy as np
+
+from .base import Layer, TensorDecl, expect_int_list, filler_of, register
+
+
+def _pair(layer, p, name, hname, wname, default, together=False):
+    """(h, w) from `name` (1 or 2 values) or from `hname`/`wname` (Caffe's rules); a default
+    of None makes the field required, `together` requires both of `hname` and `wname`."""
+    values = list(p.all(name))
+    if p.has(hname) or p.has(wname):
+        if values:
+            layer.fail(f"give either {name} or {hname}/{wname}, not both")
+        if together and not (p.has(hname) and p.has(wname)):
+            layer.fail(f"{hname} and {wname} must be given together")
+        return int(p.get(hname, 0)), int(p.get(wname, 0))
+    if not values:
+        if default is None:
+            layer.fail(f"{name} (or {hname} and {wname}) is required")
+        return default, default
+    h, w = expect_int_list(layer, values, name, 2)
+    return int(h), int(w)
+
+
+def _overlap(offset, src_len, dst_len):
+    """Slices (dst, src) of the overlap when a src of length src_len sits at `offset` in dst."""
+    d0 = max(offset, 0)
+    d1 = min(offset + src_len, dst_len)
+    d1 = max(d1, d0)
+    return slice(d0, d1), slice(d0 - offset, d1 - offset)
+
+
+def _zero_outside(dst, rows, cols):
+    """Zero every element of (.., Hd, Wd) dst outside dst[..., rows, cols]."""
+    dst[:, :, :rows.start].fill(0)
+    dst[:, :, rows.stop:].fill(0)
+    dst[:, :, rows, :cols.start].fill(0)
+    dst[:, :, rows, cols.stop:].fill(0)
+
+
+def _im2col(xp, src, col, stride, dilation):
+    """col (b, C, kh, kw, OH, OW) <- the windows of src (b, C, Hs, Ws): one strided copy."""
+    s0, s1, s2, s3 = src.strides
+    view = xp.lib.stride_tricks.as_strided(
+        src, shape=col.shape,
+        strides=(s0, s1, dilation[0] * s2, dilation[1] * s3, stride[0] * s2, stride[1] * s3))
+    xp.copyto(col, view)
+
+
+@register
+class Convolution(Layer):
+    type = "Convolution"
+    param_field = "convolution_param"
+    chunk_bytes = 8 << 20       # target size of one chunk's im2col columns
+
+    def setup(self, bottom_shapes):
+        p = self.p
+        shape = tuple(bottom_shapes[0])
+        if not p.has("num_output"):
+            self.fail("num_output is required")
+        self.num_output = int(p.get("num_output"))
+        if self.num_output <= 0:
+            self.fail("num_output must be positive")
+        axis = int(p.get("axis", 1))
+        if axis != 1 and axis != 1 - len(shape):
+            self.fail(f"axis {axis} is not supported (only the channel axis 1)")
+        if len(shape) != 4:
+            self.fail(f"only 2-D convolution of 4-D (N, C, H, W) inputs is supported; "
+                      f"got a {len(shape)}-D input {shape}")
+        n, c, h, w = (int(d) for d in shape)
+        self.kernel = _pair(self, p, "kernel_size", "kernel_h", "kernel_w", None, together=True)
+        self.stride = _pair(self, p, "stride", "stride_h", "stride_w", 1, together=True)
+        self.pad = _pair(self, p, "pad", "pad_h", "pad_w", 0)
+        dilation = list(p.all("dilation"))
+        self.dilation = tuple(int(d) for d in expect_int_list(self, dilation, "dilation", 2)) if dilation else (1, 1)
+        if min(self.kernel) <= 0:
+            self.fail(f"kernel size must be positive, got {self.kernel[0]}x{self.kernel[1]}")
+        if min(self.stride) <= 0:
+            self.fail(f"stride must be positive, got {self.stride[0]}x{self.stride[1]}")
+        if min(self.dilation) <= 0:
+            self.fail(f"dilation must be positive, got {self.dilation[0]}x{self.dilation[1]}")
+        self.group = int(p.get("group", 1))
+        if self.group <= 0:
+            self.fail("group must be positive")
+        if c % self.group:
+            self.fail(f"input channels {c} not divisible by group {self.group}")
+        if self.num_output % self.group:
+            self.fail(f"num_output {self.num_output} not divisible by group {self.group}")
+        out = []
+        for size, k, s, pd, d, axis_name in zip((h, w), self.kernel, self.stride, self.pad,
+                                               self.dilation, ("height", "width")):
+            extent = d * (k - 1) + 1
+            if size + 2 * pd < extent:
+                self.fail(f"kernel extent {extent} is larger than the padded input {axis_name} "
+                          f"{size + 2 * pd}")
+            out.append((size + 2 * pd - extent) // s + 1)
+        self.in_shape = (n, c, h, w)
+        self.out_hw = tuple(out)
+        kh, kw = self.kernel
+        self.cols = (c // self.group) * kh * kw       # K per group
+        self.pointwise = (self.kernel == (1, 1) and self.stride == (1, 1) and self.pad == (0, 0))
+        oh, ow = self.out_hw
+        self.transposed_backward = (self.stride == (1, 1) and not self.pointwise
+                                    and self._transposed_cheaper())
+        self.batch_chunk = None
+        self.add_param("weight", (self.num_output, c // self.group, kh, kw),
+                       filler_of(p.get("weight_filler")))
+        self.bias_term = bool(p.get("bias_term", True))
+        if self.bias_term:
+            self.add_param("bias", (self.num_output,), filler_of(p.get("bias_filler")))
+        self.keeps_bottoms = (0,)
+        return [(n, self.num_output, oh, ow)]
+
+    # ---- geometry ----------------------------------------------------------------------
+    def _transposed_cheaper(self):
+        """Whether gx as a stride-1 convolution of the padded gy (im2col of gy: O*kk*H*W
+        columns, a GEMM over H*W pixels) beats the scatter of W^T gy (C*kk*OH*OW columns
+        written, read back and added kh*kw times into gx). A cost model measured on a CPU:
+        one element moved through memory costs about as much as 16 GEMM flops."""
+        n, c, h, w = self.in_shape
+        o, g = self.num_output, self.group
+        oh, ow = self.out_hw
+        transposed = o * h * w * (c / g / 50.0 + 1.0 / 3.0)
+        scatter = c * oh * ow * (o / g / 50.0 + 2.0 / 3.0)
+        return transposed <= scatter
+
+    def _col_elems(self, phase):
+        """Elements of one sample's column buffer."""
+        n, c, h, w = self.in_shape
+        kh, kw = self.kernel
+        oh, ow = self.out_hw
+        elems = c * kh * kw * oh * ow
+        if phase == "backward" and self.transposed_backward:
+            elems = max(elems, self.num_output * kh * kw * h * w)
+        return elems
+
+    def _chunk(self):
+        n = self.in_shape[0]
+        if self.batch_chunk:
+            return max(1, min(n, int(self.batch_chunk)))
+        per_sample = self._col_elems("backward") * np.dtype(self.dtype).itemsize
+        return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
+
+    def _padded_hw(self):
+        n, c, h, w = self.in_shape
+        return h + 2 * self.pad[0], w + 2 * self.pad[1]
+
+    def _gy_pad(self):
+        """(offset_h, offset_w, Hg, Wg): where gy sits in the padded gy of the transposed conv."""
+        n, c, h, w = self.in_shape
+        (kh, kw), (dh, dw), (ph, pw) = self.kernel, self.dilation, self.pad
+        return dh * (kh - 1) - ph, dw * (kw - 1) - pw, h + dh * (kh - 1), w + dw * (kw - 1)
+
+    def workspace(self, phase):
+        n, c, h, w = self.in_shape
+        b = self._chunk()
+        o, g = self.num_output, self.group
+        kh, kw = self.kernel
+        ws = {}
+        if phase == "backward":
+            ws["gwn"] = TensorDecl((b, o * self.cols))
+            if n > b:
+                ws["gwsum"] = TensorDecl((o * self.cols,))
+        if self.pointwise:
+            return ws
+        ws["col"] = TensorDecl((b * self._col_elems(phase),))
+        hp, wp = self._padded_hw()
+        if self.pad != (0, 0):
+            ws["xpad"] = TensorDecl((b, c, hp, wp))
+        if phase == "backward":
+            if self.transposed_backward:
+                qh, qw, hg, wg = self._gy_pad()
+                if (qh, qw) != (0, 0):
+                    ws["gypad"] = TensorDecl((b, o, hg, wg))
+                ws["wflip"] = TensorDecl((g, c // g, o // g, kh, kw))
+            elif self.pad != (0, 0):
+                ws["gxpad"] = TensorDecl((b, c, hp, wp))
+        return ws
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _stage_input(self, xp, xc, ws, first):
+        """The (padded) input chunk the im2col view reads from."""
+        if self.pad == (0, 0):
+            return xc
+        n, c, h, w = self.in_shape
+        hp, wp = self._padded_hw()
+        xpad = ws["xpad"]
+        rows, cols = slice(self.pad[0], self.pad[0] + h), slice(self.pad[1], self.pad[1] + w)
+        if first:   # the border stays zero for every chunk
+            _zero_outside(xpad, rows, cols)
+        dst = xpad[:xc.shape[0]]
+        xp.copyto(dst[:, :, rows, cols], xc)
+        return dst
+
+    def _columns(self, xp, col, b, channels, hw):
+        """A (b, channels, kh, kw, H, W) view of the front of the flat col workspace."""
+        kh, kw = self.kernel
+        return col[:b * channels * kh * kw * hw[0] * hw[1]].reshape((b, channels, kh, kw) + hw)
+
+    def _add_bias(self, xp, yc, bias):
+        view = yc.reshape(yc.shape[0], self.num_output, -1)
+        xp.add(view, bias.reshape(1, -1, 1), out=view)
+
+    @staticmethod
+    def _accumulate(xp, gwn, gw, gwsum, first):
+        """gw (=|+=) sum of the per-sample weight gradients gwn over the chunk."""
+        if first:
+            xp.sum(gwn, axis=0, out=gw)
+        else:
+            xp.sum(gwn, axis=0, out=gwsum)
+            xp.add(gw, gwsum, out=gw)
+
+    # ---- forward ------------------------------------------------------------------------
+    def forward(self, xp, x, y, p, saved, ws):
+        x0, y0 = x[0], y[0]
+        n, c = x0.shape[:2]
+        g, o = self.group, self.num_output
+        oh, ow = self.out_hw
+        pix = oh * ow
+        weight = p[0].reshape(g, o // g, self.cols)
+        y4 = y0.reshape(n, g, o // g, pix)
+        if self.pointwise:
+            xp.matmul(weight, x0.reshape(n, g, c // g, pix), out=y4)
+            if self.bias_term:
+                self._add_bias(xp, y0, p[1])
+            return
+        col = ws["col"]
+        chunk = self._chunk()
+        for n0 in range(0, n, chunk):
+            b = min(chunk, n - n0)
+            src = self._stage_input(xp, x0[n0:n0 + b], ws, n0 == 0)
+            cols = self._columns(xp, col, b, c, (oh, ow))
+            _im2col(xp, src, cols, self.stride, self.dilation)
+            xp.matmul(weight, cols.reshape(b, g, self.cols, pix), out=y4[n0:n0 + b])
+            if self.bias_term:
+                self._add_bias(xp, y0[n0:n0 + b], p[1])
+
+    # ---- backward -----------------------------------------------------------------------
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        gy0, gx0 = gy[0], gx[0]
+        gw = gp[0] if gp else None
+        gb = gp[1] if self.bias_term and len(gp) > 1 else None
+        n, o = gy0.shape[:2]
+        g = self.group
+        c = self.in_shape[1]
+        oh, ow = self.out_hw
+        pix = oh * ow
+        if gb is not None:
+            xp.sum(gy0.reshape(n, o, pix), axis=(0, 2), out=gb)
+        if gw is None and gx0 is None:
+            return
+        weight = p[0].reshape(g, o // g, self.cols)
+        gy4 = gy0.reshape(n, g, o // g, pix)
+        gw3 = gw.reshape(g, o // g, self.cols) if gw is not None else None
+        chunk = self._chunk()
+        gwn = ws["gwn"].reshape(-1, g, o // g, self.cols)
+        gwsum = ws["gwsum"].reshape(g, o // g, self.cols) if "gwsum" in ws else None
+
+        if self.pointwise:
+            if gx0 is not None:
+                xp.matmul(weight.transpose(0, 2, 1), gy4, out=gx0.reshape(n, g, c // g, pix))
+            if gw is not None:
+                x4 = x[0].reshape(n, g, c // g, pix)
+                for n0 in range(0, n, chunk):
+                    b = min(chunk, n - n0)
+                    xp.matmul(gy4[n0:n0 + b], x4[n0:n0 + b].transpose(0, 1, 3, 2), out=gwn[:b])
+                    self._accumulate(xp, gwn[:b], gw3, gwsum, n0 == 0)
+            return
+
+        col = ws["col"]
+        h, w = self.in_shape[2:]
+        kh, kw = self.kernel
+        if gx0 is not None and self.transposed_backward:
+            wflip = ws["wflip"]
+            # wflip[g, c, o, i, j] = W[g*O/g + o, c, kh-1-i, kw-1-j]
+            xp.copyto(wflip, p[0].reshape(g, o // g, c // g, kh, kw)[:, :, :, ::-1, ::-1]
+                      .transpose(0, 2, 1, 3, 4))
+            wflip3 = wflip.reshape(g, c // g, (o // g) * kh * kw)
+            qh, qw, hg, wg = self._gy_pad()
+            gy_rows, gy_src_rows = _overlap(qh, oh, hg)
+            gy_cols, gy_src_cols = _overlap(qw, ow, wg)
+        for n0 in range(0, n, chunk):
+            b = min(chunk, n - n0)
+            gyc = gy4[n0:n0 + b]
+            if gw is not None:
+                src = self._stage_input(xp, x[0][n0:n0 + b], ws, n0 == 0)
+                cols = self._columns(xp, col, b, c, (oh, ow))
+                _im2col(xp, src, cols, self.stride, self.dilation)
+                xp.matmul(gyc, cols.reshape(b, g, self.cols, pix).transpose(0, 1, 3, 2),
+                          out=gwn[:b])
+                self._accumulate(xp, gwn[:b], gw3, gwsum, n0 == 0)
+            if gx0 is None:
+                continue
+            gxc = gx0[n0:n0 + b]
+            if self.transposed_backward:
+                # gx = conv(gy padded by d(k-1)-p, flipped W^T), stride 1, same dilation
+                if "gypad" in ws:
+                    gypad = ws["gypad"]
+                    if n0 == 0:
+                        _zero_outside(gypad, gy_rows, gy_cols)
+                    src = gypad[:b]
+                    xp.copyto(src[:, :, gy_rows, gy_cols],
+                              gy0[n0:n0 + b, :, gy_src_rows, gy_src_cols])
+                else:
+                    src = gy0[n0:n0 + b]
+                cols = self._columns(xp, col, b, o, (h, w))
+                _im2col(xp, src, cols, (1, 1), self.dilation)
+                xp.matmul(wflip3, cols.reshape(b, g, (o // g) * kh * kw, h * w),
+                          out=gxc.reshape(b, g, c // g, h * w))
+            else:
+                # columns W^T gy, scattered back with one strided add per kernel offset
+                cols = self._columns(xp, col, b, c, (oh, ow))
+                xp.matmul(weight.transpose(0, 2, 1), gyc, out=cols.reshape(b, g, self.cols, pix))
+                if self.pad != (0, 0):
+                    target = ws["gxpad"][:b]
+                else:
+                    target = gxc
+                target.fill(0)
+                (sh, sw), (dh, dw) = self.stride, self.dilation
+                for i in range(kh):
+                    for j in range(kw):
+                        dst = target[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh,
+                                     j * dw:j * dw + sw * (ow - 1) + 1:sw]
+                        xp.add(dst, cols[:, :, i, j], out=dst)
+                if self.pad != (0, 0):
+                    xp.copyto(gxc, target[:, :, self.pad[0]:self.pad[0] + h,
+                                          self.pad[1]:self.pad[1] + w])

@@ -106,7 +106,9 @@ class Eltwise(Layer):
             xp.copyto(argmax, i, where=mask)
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
-        for i, g in enumerate(gx):
+        # last bottom first: gx[0] may share memory with gy (in place), so it is written last
+        for i in reversed(range(len(gx))):
+            g = gx[i]
             if g is None:
                 continue
             if self.operation == "SUM":

@@ -1,0 +1,169 @@
+"""Where each buffer of a program lives, under one of three allocation modes.
+
+- none: every buffer its own bytes (the reference, as in a framework without a planner);
+- static: in-place sharing, then StaticPlanner offsets, all fixed before running;
+- dynamic: in-place sharing, then a Pool that allocates each buffer before its first use and
+  frees it after its last use, replayed here on integers (the executor replays the same calls
+  on the real arena while it runs).
+
+Persistent buffers (weights, their gradients, momentum) are laid out one after another at the
+start of the arena in every mode; the plan covers the per-iteration rest.
+"""
+from dataclasses import dataclass
+
+from ..errors import MemoryBudgetError
+from ..program import INPUT
+from . import align, plan_none
+from .planner import StaticPlanner
+from .pool import Pool
+
+MODES = ("none", "static", "dynamic")
+
+
+@dataclass
+class Group:
+    """Buffers that share one storage (a chain of in-place steps), or a single buffer."""
+    members: list
+    nbytes: int
+    first_use: int
+    last_use: int
+    offset: int = 0
+
+
+def inplace_pairs(program):
+    """(input buffer, output buffer) pairs where a step may write its output over its input:
+    the layer allows it, the input is read by no later step, and the sizes match."""
+    buffers = program.buffers
+    pairs = []
+    for index, step in enumerate(program.steps):
+        if step.kind not in ("forward", "backward") or not step.layer.inplace_safe(0, 0):
+            continue
+        source_role, target_role = ("x", "y") if step.kind == "forward" else ("gy", "gx")
+        sources, targets = step.args[source_role], step.args[target_role]
+        if not sources or not targets or sources[0] is None or targets[0] is None:
+            continue
+        source, target = buffers[sources[0]], buffers[targets[0]]
+        other_reads = [name for role in ("x", "y", "gy", "saved", "p") if role in step.args
+                       for name in _names(step.args[role])]
+        if (source.last_use == index and target.first_use == index and source.nbytes == target.nbytes
+                and source.category != INPUT and not source.persistent
+                and other_reads.count(source.name) == 1):
+            pairs.append((source.name, target.name))
+    return pairs
+
+
+def _names(value):
+    if isinstance(value, dict):
+        return [v for v in value.values() if v is not None]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if v is not None]
+    return [value] if isinstance(value, str) else []
+
+
+def storage_groups(program, inplace):
+    """Group the per-iteration buffers into storages: in-place chains merged when `inplace`."""
+    transient = [b for b in program.buffers.values() if not b.persistent]
+    parent = {b.name: b.name for b in transient}
+
+    def root(name):
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    if inplace:
+        for source, target in inplace_pairs(program):
+            parent[root(target)] = root(source)
+    groups, by_root = [], {}
+    for buffer in transient:
+        key = root(buffer.name)
+        if key not in by_root:
+            by_root[key] = len(groups)
+            groups.append(Group([], 0, buffer.first_use, buffer.last_use))
+        group = groups[by_root[key]]
+        group.members.append(buffer.name)
+        group.nbytes = max(group.nbytes, buffer.nbytes)
+        group.first_use = min(group.first_use, buffer.first_use)
+        group.last_use = max(group.last_use, buffer.last_use)
+    return groups
+
+
+class MemoryPlan:
+    """Offsets of every buffer of `program` relative to the start of its per-iteration region,
+    and the numbers a footprint report needs."""
+
+    def __init__(self, program, mode="static", alignment=256):
+        if mode not in MODES:
+            raise ValueError(f"alloc mode must be one of {MODES}, got {mode!r}")
+        self.program = program
+        self.mode = mode
+        self.alignment = alignment
+        persistent = {n: b.nbytes for n, b in program.buffers.items() if b.persistent}
+        self.persistent_offsets, self.persistent_bytes = plan_none(persistent)
+        self.groups = storage_groups(program, inplace=(mode != "none"))
+        self.group_of = {name: index for index, group in enumerate(self.groups) for name in group.members}
+        planner = StaticPlanner(alignment)
+        for group in self.groups:
+            planner.add_buffer(group.nbytes, group.first_use, group.last_use)
+        self.lower_bound = planner.lower_bound()
+        self.pool = None
+        if mode == "none":
+            offsets, self.transient_bytes = plan_none({i: g.nbytes for i, g in enumerate(self.groups)})
+            for index, group in enumerate(self.groups):
+                group.offset = offsets[index]
+        elif mode == "static":
+            planner.plan()
+            self.transient_bytes = planner.arena_size()
+            for index, group in enumerate(self.groups):
+                group.offset = planner.offset(index)
+        else:
+            self.pool = replay_pool(self.groups, len(program.steps), Pool(alignment))
+            self.transient_bytes = self.pool.high_water
+
+    @property
+    def footprint_bytes(self):
+        return self.persistent_bytes + self.transient_bytes
+
+    @property
+    def live_peak_bytes(self):
+        return self.persistent_bytes + self.lower_bound
+
+    def offset(self, name):
+        """Byte offset of buffer `name`: in the persistent region, or in the per-iteration one."""
+        if name in self.persistent_offsets:
+            return self.persistent_offsets[name]
+        return self.groups[self.group_of[name]].offset
+
+    def check_budget(self, budget, extra_bytes=0):
+        """Fail before running when the plan does not fit `budget` bytes."""
+        needed = self.footprint_bytes + extra_bytes
+        if budget is not None and needed > budget:
+            sizes = {}
+            for buffer in self.program.buffers.values():
+                sizes[buffer.name] = align(buffer.nbytes, self.alignment)
+            top = sorted(sizes.items(), key=lambda item: -item[1])[:3]
+            listed = ", ".join(f"{name} {nbytes:,}" for name, nbytes in top)
+            raise MemoryBudgetError(f"--memory-budget: the {self.mode} plan needs {needed:,} bytes, the budget "
+                                    f"allows {budget:,} bytes; largest buffers: {listed}")
+
+
+def replay_pool(groups, steps, pool):
+    """Run `pool` over the program's allocation sequence: each group allocated before its first
+    step and freed after its last. Returns the pool with its offsets recorded in the groups."""
+    allocs, frees = schedule(groups, steps)
+    for step in range(steps):
+        for index in allocs[step]:
+            groups[index].offset = pool.malloc(groups[index].nbytes)
+        for index in frees[step]:
+            pool.free(groups[index].offset)
+    return pool
+
+
+def schedule(groups, steps):
+    """Per step: the groups to allocate before it and the groups to free after it."""
+    allocs = [[] for _ in range(steps)]
+    frees = [[] for _ in range(steps)]
+    for index, group in enumerate(groups):
+        allocs[group.first_use].append(index)
+        frees[group.last_use].append(index)
+    return allocs, frees

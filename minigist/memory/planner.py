@@ -1,0 +1,96 @@
+"""The static planner: offsets for buffers with known sizes and lifetimes, on integers only.
+
+    planner = StaticPlanner()
+    a = planner.add_buffer(1024, first_use=0, last_use=2)
+    b = planner.add_buffer(512, first_use=3, last_use=4)
+    planner.plan()
+    planner.offset(a), planner.offset(b), planner.arena_size()    # 0, 0, 1024
+
+Two buffers may share bytes only if their lifetimes [first_use, last_use] are disjoint.
+Placement is greedy (the largest buffer first, each at the lowest offset where it fits between
+the buffers already placed that are live at the same time), tried under a few orderings; the
+smallest arena wins. `lower_bound()` is the most bytes live at any one step: no plan can be
+smaller.
+"""
+from . import align
+
+
+class StaticPlanner:
+    def __init__(self, alignment=256):
+        self.alignment = alignment
+        self.sizes, self.firsts, self.lasts = [], [], []
+        self.offsets = None
+
+    def add_buffer(self, nbytes, first_use, last_use):
+        if last_use < first_use:
+            raise ValueError(f"buffer ends (step {last_use}) before it starts (step {first_use})")
+        self.sizes.append(align(nbytes, self.alignment))
+        self.firsts.append(int(first_use))
+        self.lasts.append(int(last_use))
+        self.offsets = None
+        return len(self.sizes) - 1
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def lower_bound(self):
+        """The largest sum of (aligned) sizes of the buffers live at one step."""
+        if not self.sizes:
+            return 0
+        steps = max(self.lasts) + 2
+        delta = [0] * steps
+        for size, first, last in zip(self.sizes, self.firsts, self.lasts):
+            delta[first] += size
+            delta[last + 1] -= size
+        live, best = 0, 0
+        for change in delta:
+            live += change
+            best = max(best, live)
+        return best
+
+    def _place(self, order):
+        offsets = [None] * len(self.sizes)
+        placed = []   # indices placed so far
+        top = 0
+        for index in order:
+            first, last, size = self.firsts[index], self.lasts[index], self.sizes[index]
+            busy = sorted((offsets[j], offsets[j] + self.sizes[j]) for j in placed
+                          if self.firsts[j] <= last and first <= self.lasts[j])
+            # best fit: the smallest gap that holds the buffer, else the end
+            best_offset, best_gap = None, None
+            cursor = 0
+            for start, end in busy:
+                gap = start - cursor
+                if gap >= size and (best_gap is None or gap < best_gap):
+                    best_offset, best_gap = cursor, gap
+                cursor = max(cursor, end)
+            offset = best_offset if best_offset is not None else cursor
+            offsets[index] = offset
+            placed.append(index)
+            top = max(top, offset + size)
+        return offsets, top
+
+    def plan(self):
+        count = range(len(self.sizes))
+        orders = [
+            sorted(count, key=lambda i: (-self.sizes[i], self.firsts[i])),
+            sorted(count, key=lambda i: (-(self.lasts[i] - self.firsts[i]), -self.sizes[i], self.firsts[i])),
+            sorted(count, key=lambda i: (-self.sizes[i] * (self.lasts[i] - self.firsts[i] + 1), self.firsts[i])),
+        ]
+        best = None
+        for order in orders:
+            offsets, top = self._place(order)
+            if best is None or top < best[1]:
+                best = (offsets, top)
+        self.offsets, self._arena_size = best
+        return self
+
+    def offset(self, index):
+        if self.offsets is None:
+            self.plan()
+        return self.offsets[index]
+
+    def arena_size(self):
+        if self.offsets is None:
+            self.plan()
+        return self._arena_size

@@ -1,0 +1,136 @@
+"""The footprint report: the same form under every allocation mode.
+
+`footprint_report(plan, ...)` returns a plain dict (JSON-ready); `format_report` prints it as
+a table. All byte counts are exact integers: sizes are rounded up to the 256-byte alignment
+that the arena and the pool use, except the `raw_bytes` of stash rows.
+"""
+import json
+
+import numpy as np
+
+from ..program import CATEGORIES, STASH
+from . import align
+
+FIELDS = ("model", "batch_size", "input_shape", "alloc", "footprint_bytes", "live_peak_bytes",
+          "parameters", "peak_by_category", "total_by_category", "forward_peak_bytes",
+          "backward_peak_bytes", "stash")
+
+
+def _live_member(plan, group, step):
+    """The member of `group` that holds its storage at `step` (the newest one started)."""
+    buffers = plan.program.buffers
+    best = None
+    for name in group.members:
+        buffer = buffers[name]
+        if buffer.first_use <= step <= buffer.last_use and (best is None or buffer.first_use >= buffers[best].first_use):
+            best = name
+    return best
+
+
+def live_by_step(plan):
+    """Aligned bytes live at each step, persistent included."""
+    steps = len(plan.program.steps)
+    delta = np.zeros(steps + 1, dtype=np.int64)
+    for group in plan.groups:
+        size = align(group.nbytes, plan.alignment)
+        delta[group.first_use] += size
+        delta[group.last_use + 1] -= size
+    return np.cumsum(delta[:steps]) + plan.persistent_bytes
+
+
+def footprint_report(plan, model="", parameters=0, extra=None):
+    program = plan.program
+    graph = program.graph
+    buffers = program.buffers
+    live = live_by_step(plan)
+    peak_step = int(np.argmax(live)) if len(live) else 0
+    first_backward = next((i for i, s in enumerate(program.steps) if s.kind != "forward"), len(program.steps))
+
+    peak_by_category = {c: 0 for c in CATEGORIES}
+    for buffer in buffers.values():
+        if buffer.persistent:
+            peak_by_category[buffer.category] += align(buffer.nbytes, plan.alignment)
+    for group in plan.groups:
+        if group.first_use <= peak_step <= group.last_use:
+            member = buffers[_live_member(plan, group, peak_step)]
+            peak_by_category[member.category] += align(group.nbytes, plan.alignment)
+    total_by_category = {c: 0 for c in CATEGORIES}
+    for buffer in buffers.values():
+        total_by_category[buffer.category] += align(buffer.nbytes, plan.alignment)
+
+    stash = []
+    for buffer in buffers.values():
+        if buffer.category != STASH:
+            continue
+        tensor = buffer.name.split(":", 1)[1]
+        stash.append({"layer": buffer.layer, "tensor": tensor, "shape": list(buffer.shape),
+                      "encoding": "fp32" if buffer.dtype == np.float32 else str(buffer.dtype),
+                      "raw_bytes": buffer.nbytes, "stored_bytes": align(buffer.nbytes, plan.alignment),
+                      "first_use": buffer.first_use, "last_use": buffer.last_use})
+
+    by_layer = {}
+    for buffer in buffers.values():
+        row = by_layer.setdefault(buffer.layer or "(net)", {})
+        row[buffer.category] = row.get(buffer.category, 0) + align(buffer.nbytes, plan.alignment)
+
+    report = {
+        "model": model,
+        "batch_size": graph.batch_size,
+        "input_shape": list(graph.input_shape),
+        "alloc": plan.mode,
+        "footprint_bytes": int(plan.footprint_bytes),
+        "live_peak_bytes": int(live.max()) if len(live) else plan.persistent_bytes,
+        "lower_bound_bytes": int(plan.live_peak_bytes),
+        "parameters": int(parameters),
+        "peak_step": peak_step,
+        "peak_step_label": program.steps[peak_step].label if program.steps else "",
+        "peak_by_category": peak_by_category,
+        "total_by_category": total_by_category,
+        "forward_peak_bytes": int(live[:first_backward].max()) if first_backward else 0,
+        "backward_peak_bytes": int(live[first_backward:].max()) if first_backward < len(live) else 0,
+        "persistent_bytes": int(plan.persistent_bytes),
+        "steps": len(program.steps),
+        "buffers": len(buffers),
+        "stash": stash,
+        "by_layer": by_layer,
+    }
+    if plan.pool is not None:
+        report["pool"] = {"high_water_bytes": int(plan.pool.high_water),
+                          "live_peak_bytes": int(plan.pool.peak_in_use),
+                          "fragmentation_bytes": int(plan.pool.fragmentation),
+                          "mallocs": plan.pool.mallocs}
+    if extra:
+        report.update(extra)
+    return report
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def format_report(report):
+    """The report as a short printed table."""
+    lines = [f"memory: {report['model']}  batch {report['batch_size']}  input {tuple(report['input_shape'])}  "
+             f"alloc {report['alloc']}",
+             f"  footprint        {report['footprint_bytes']:>16,} B  ({_mib(report['footprint_bytes'])})",
+             f"  live peak        {report['live_peak_bytes']:>16,} B  at step {report['peak_step']} "
+             f"({report['peak_step_label']})",
+             f"  forward peak     {report['forward_peak_bytes']:>16,} B",
+             f"  backward peak    {report['backward_peak_bytes']:>16,} B"]
+    if "pool" in report:
+        pool = report["pool"]
+        lines.append(f"  pool high water  {pool['high_water_bytes']:>16,} B  fragmentation "
+                     f"{pool['fragmentation_bytes']:,} B")
+    lines.append("  category            at peak           total (no sharing)")
+    for category, total in report["total_by_category"].items():
+        if total:
+            lines.append(f"  {category:<16} {report['peak_by_category'][category]:>14,} B  {total:>16,} B")
+    stashed = sum(row["stored_bytes"] for row in report["stash"])
+    lines.append(f"  stash: {len(report['stash'])} tensors, {stashed:,} B stored")
+    return "\n".join(lines)
+
+
+def write_json(report, path):
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(report, out, indent=1)
+        out.write("\n")

@@ -1,0 +1,239 @@
+"""Memory: the static planner, the pool, in-place sharing, the three allocation modes and the
+footprint report."""
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import minigist
+from minigist.errors import MemoryBudgetError
+from minigist.memory import align, plan_none
+from minigist.memory.plan import MemoryPlan, inplace_pairs
+from minigist.memory.planner import StaticPlanner
+from minigist.memory.pool import Pool
+from minigist.memory.report import FIELDS, footprint_report
+from test_net import BRANCHY, batch
+
+
+# ---- static planner, by hand ---------------------------------------------------------------
+def test_planner_shares_disjoint_lifetimes():
+    planner = StaticPlanner()
+    a = planner.add_buffer(1024, 0, 2)
+    b = planner.add_buffer(512, 3, 4)
+    c = planner.add_buffer(256, 1, 3)
+    planner.plan()
+    # a and b never live together: b reuses a's bytes; c overlaps both, so it goes above a
+    assert (planner.offset(a), planner.offset(b), planner.offset(c)) == (0, 0, 1024)
+    assert planner.arena_size() == 1280 == planner.lower_bound()
+
+
+def test_planner_aligns_and_fills_gaps():
+    planner = StaticPlanner()
+    big = planner.add_buffer(1000, 0, 5)      # 1024 after alignment
+    early = planner.add_buffer(300, 0, 1)     # 512
+    late = planner.add_buffer(200, 2, 5)      # 256: fits in the hole `early` leaves
+    planner.plan()
+    assert planner.offset(big) == 0
+    assert planner.offset(early) == 1024
+    assert planner.offset(late) == 1024
+    assert planner.arena_size() == 1536
+    assert planner.lower_bound() == 1536
+
+
+def test_planner_lower_bound_and_gap_choice():
+    planner = StaticPlanner()
+    for size, first, last in [(512, 0, 0), (256, 0, 1), (512, 1, 2), (256, 2, 3), (768, 3, 3)]:
+        planner.add_buffer(size, first, last)
+    assert planner.lower_bound() == 1024    # steps 2 and 3 each hold 768 + 256, step 1 768
+    planner.plan()
+    assert planner.arena_size() >= planner.lower_bound()
+    check_no_overlap([(planner.offset(i), planner.sizes[i], planner.firsts[i], planner.lasts[i])
+                      for i in range(len(planner))])
+
+
+def test_planner_rejects_reversed_lifetime():
+    with pytest.raises(ValueError):
+        StaticPlanner().add_buffer(8, 3, 2)
+
+
+def check_no_overlap(blocks):
+    """blocks: (offset, size, first_use, last_use); no two live at once may share a byte."""
+    for i, (o1, s1, f1, l1) in enumerate(blocks):
+        for o2, s2, f2, l2 in blocks[i + 1:]:
+            if f1 <= l2 and f2 <= l1:
+                assert o1 + s1 <= o2 or o2 + s2 <= o1, (o1, s1, f1, l1, o2, s2, f2, l2)
+
+
+def test_plan_none_is_sequential():
+    offsets, total = plan_none({"a": 10, "b": 300, "c": 0})
+    assert offsets == {"a": 0, "b": 256, "c": 768} and total == 768
+    assert align(1) == 256 and align(256) == 256 and align(257) == 512
+
+
+# ---- pool ----------------------------------------------------------------------------------
+def test_pool_split_merge_and_reuse():
+    pool = Pool()
+    a = pool.malloc(1000)          # 1024
+    b = pool.malloc(100)           # 256
+    c = pool.malloc(2000)          # 2048
+    assert (a, b, c) == (0, 1024, 1280)
+    assert pool.in_use == 3328 == pool.high_water
+    pool.free(a)
+    d = pool.malloc(200)           # best fit takes a's block and splits it
+    assert d == 0
+    assert pool.free_blocks == [(256, 768)]
+    pool.free(b)                   # merges with the free block before it
+    assert pool.free_blocks == [(256, 1024)]
+    pool.free(d)                   # and now with the one after: one block 0..1280
+    assert pool.free_blocks == [(0, 1280)]
+    e = pool.malloc(1280)          # exact reuse, no growth
+    assert e == 0 and pool.high_water == 3328
+    pool.free(c)
+    pool.free(e)
+    assert pool.free_blocks == [(0, 3328)] and pool.in_use == 0
+    assert pool.peak_in_use == 3328
+
+
+def test_pool_best_fit_prefers_smallest_block():
+    pool = Pool()
+    blocks = [pool.malloc(n) for n in (2048, 256, 512, 256)]
+    pool.free(blocks[0])           # a 2048 hole
+    pool.free(blocks[2])           # a 512 hole
+    assert pool.malloc(400) == blocks[2]
+
+
+def test_pool_grows_from_a_free_top_block():
+    pool = Pool()
+    a = pool.malloc(256)
+    b = pool.malloc(512)
+    pool.free(b)                   # free block at the top
+    c = pool.malloc(1024)          # extends it instead of leaving it behind
+    assert c == 256 and pool.high_water == 1280
+    assert pool.fragmentation == pool.high_water - pool.peak_in_use
+    pool.free(a)
+    pool.free(c)
+
+
+def test_pool_out_of_memory_message():
+    pool = Pool(limit=1024)
+    pool.malloc(768)
+    with pytest.raises(MemoryBudgetError, match=r"request of 512 bytes.*768 bytes in use.*limit is 1,024 bytes"):
+        pool.malloc(512)
+
+
+# ---- nets ----------------------------------------------------------------------------------
+@pytest.fixture
+def branchy(tmp_path):
+    path = tmp_path / "branchy.prototxt"
+    path.write_text(BRANCHY)
+    return path
+
+
+def train(path, alloc, steps=4):
+    net = minigist.Net(path, alloc=alloc, seed=5, solver=minigist.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3))
+    losses = []
+    for i in range(steps):
+        data, label = batch(seed=i)
+        losses.append(net.train_step(data.astype(np.float32), label))
+    return net, losses
+
+
+def test_training_is_bitwise_identical_across_modes(branchy):
+    reference, losses = train(branchy, "none")
+    for alloc in ("static", "dynamic"):
+        net, other = train(branchy, alloc)
+        assert other == losses
+        for key, value in reference.params().items():
+            np.testing.assert_array_equal(net.params()[key], value, err_msg=f"{alloc} {key}")
+        data, label = batch(seed=9)
+        assert net.evaluate(data, label) == reference.evaluate(data, label)
+
+
+def test_inplace_pairs_on_a_chain(tmp_path):
+    path = tmp_path / "chain.prototxt"
+    path.write_text("""
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 4 dim: 6 } shape { dim: 4 } } }
+layer { name: "fc1" type: "InnerProduct" bottom: "data" top: "fc1" inner_product_param { num_output: 8 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "fc1" top: "fc1" }
+layer { name: "drop1" type: "Dropout" bottom: "fc1" top: "fc1" }
+layer { name: "fc2" type: "InnerProduct" bottom: "fc1" top: "fc2" inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc2" bottom: "label" top: "loss" }
+""")
+    program = minigist.build_program(minigist.build_graph(str(path)))
+    pairs = inplace_pairs(program)
+    # forward: relu over fc1 (fc1 is read by nothing later); dropout may NOT overwrite relu's
+    # output, which relu's backward still needs. backward: both gradients in place.
+    assert ("blob:fc1", "blob:fc1@relu1") in pairs
+    assert ("blob:fc1@relu1", "blob:fc1@drop1") not in pairs
+    assert ("grad:fc1@drop1", "grad:fc1@relu1") in pairs
+    assert ("grad:fc1@relu1", "grad:fc1") in pairs
+    static = MemoryPlan(program, "static")
+    none = MemoryPlan(program, "none")
+    assert static.footprint_bytes < none.footprint_bytes
+    assert static.offset("blob:fc1") == static.offset("blob:fc1@relu1")
+
+
+def plan_blocks(plan):
+    return [(g.offset, align(g.nbytes), g.first_use, g.last_use) for g in plan.groups]
+
+
+def test_modes_on_a_net_report_consistent_numbers(branchy):
+    program = minigist.build_program(minigist.build_graph(str(branchy)))
+    static, dynamic, none = (MemoryPlan(program, m) for m in ("static", "dynamic", "none"))
+    check_no_overlap(plan_blocks(static))
+    check_no_overlap(plan_blocks(dynamic))
+    assert static.footprint_bytes >= static.live_peak_bytes
+    assert dynamic.pool.peak_in_use == dynamic.lower_bound
+    assert none.footprint_bytes == sum(align(b.nbytes) for b in program.buffers.values())
+
+
+def test_dynamic_run_matches_its_replay(branchy):
+    net, _ = train(branchy, "dynamic", steps=2)
+    plan = net.plans["train"]
+    assert net.pool.peak_in_use == plan.pool.peak_in_use
+    assert net.pool.high_water >= plan.pool.high_water
+    assert net.pool.in_use == 0
+
+
+def test_report_has_documented_fields(branchy, tmp_path):
+    net, _ = train(branchy, "static", steps=1)
+    report = net.report()
+    for field in FIELDS:
+        assert field in report
+    assert report["alloc"] == "static" and report["batch_size"] == 6 and report["input_shape"] == [4, 3, 3]
+    assert report["footprint_bytes"] == net.arena_bytes
+    assert sum(report["peak_by_category"].values()) == report["live_peak_bytes"]
+    row = report["stash"][0]
+    assert set(row) == {"layer", "tensor", "shape", "encoding", "raw_bytes", "stored_bytes", "first_use", "last_use"}
+    assert all(r["encoding"] == "fp32" for r in report["stash"])
+    json.loads(json.dumps(report))
+
+
+def test_static_budget_fails_before_running(branchy):
+    with pytest.raises(MemoryBudgetError, match=r"needs [\d,]+ bytes, the budget allows 1,000 bytes; largest buffers"):
+        minigist.Net(branchy, alloc="static", memory_budget=1000)
+
+
+def test_dynamic_budget_fails_while_running(branchy):
+    program = minigist.build_program(minigist.build_graph(str(branchy)))
+    persistent = MemoryPlan(program, "dynamic").persistent_bytes
+    net = minigist.Net(branchy, alloc="dynamic", memory_budget=persistent + 1024)
+    data, label = batch()
+    with pytest.raises(MemoryBudgetError, match="memory pool"):
+        net.train_step(data.astype(np.float32), label)
+
+
+def test_allocations_outside_the_arena_are_small(branchy):
+    net, _ = train(branchy, "static", steps=1)
+    data, label = batch()
+    data = data.astype(np.float32)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        net.train_step(data, label)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.05 * net.arena_bytes + 16384, (peak, net.arena_bytes)
