@@ -9,6 +9,7 @@ error and exit status 2.
 """
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -19,6 +20,9 @@ sys.path.insert(0, HERE)
 
 import minigist  # noqa: E402  (after the path tweak, so a checkout runs without installing)
 from minigist.errors import MinigistError  # noqa: E402
+from minigist.memory.plan import MODES  # noqa: E402
+from minigist.memory.report import format_report, write_json  # noqa: E402
+from minigist.net import plan_footprint  # noqa: E402
 
 MODELS_DIR = os.path.join(HERE, "models")
 DEFAULT_MODEL = "resnet20"
@@ -60,6 +64,18 @@ def non_negative_float(text):
     return value
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
+
+
+def byte_size(text):
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MB or 1e9, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         """One line and exit status 2, like every other bad-input error."""
@@ -81,6 +97,14 @@ def make_parser():
     parser.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
     parser.add_argument("--device", default="cpu", choices=list(minigist.backend.DEVICES),
                         help="cpu, gpu (CuPy) or auto (GPU when one is usable)")
+    parser.add_argument("--alloc", default="static", choices=list(MODES),
+                        help="memory allocation: none (no sharing, the reference), static (planned "
+                             "before running, in place where legal) or dynamic (a pool allocates as it runs)")
+    parser.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
+                        help="fail if training needs more memory than SIZE (e.g. 2GiB, 512MB)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="print the footprint report from shapes alone (nothing is allocated or run), then exit")
+    parser.add_argument("--report-json", metavar="PATH", help="write the footprint report as JSON to PATH")
     parser.add_argument("--summary", action="store_true", help="print one row per layer and the parameter count, then exit")
     return parser
 
@@ -101,9 +125,20 @@ def run(args):
         graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
         print(minigist.summary(graph))
         return 0
+    if args.plan_only:
+        report = plan_footprint(path, args.batch_size, args.input_size, args.alloc)
+        report["model"] = args.model
+        if args.memory_budget is not None and report["footprint_bytes"] > args.memory_budget:
+            raise MinigistError(f"--memory-budget: the {args.alloc} plan needs {report['footprint_bytes']:,} "
+                                f"bytes, the budget allows {args.memory_budget:,} bytes")
+        print(format_report(report))
+        if args.report_json:
+            write_json(report, args.report_json)
+        return 0
     solver = minigist.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     net = minigist.Net(path, batch_size=args.batch_size, input_size=args.input_size,
-                       device=args.device, seed=args.seed, solver=solver)
+                       device=args.device, seed=args.seed, solver=solver, alloc=args.alloc,
+                       memory_budget=args.memory_budget)
     graph = net.train_graph
     data_shape = (graph.batch_size,) + graph.input_shape
     classes = _class_count(net)
@@ -123,6 +158,11 @@ def run(args):
     outputs = net.evaluate(images, labels)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in outputs.items() if isinstance(v, float))
     print(f"held-out synthetic batch: {shown}")
+    report = net.report()
+    report["model"] = args.model
+    print(format_report(report))
+    if args.report_json:
+        write_json(report, args.report_json)
     return 0
 
 

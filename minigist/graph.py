@@ -178,7 +178,7 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
                                  f"unknown layer type '{spec.type}' (layer '{spec.name}')")
         layer = cls(spec, np.dtype(dtype))
         if any(node.layer.name == spec.name for node in nodes):
-            raise ModelFileError(path, spec.line, f"layer name '{spec.name}' used twice")
+            raise ModelFileError(path, spec.msg.line_of("name"), f"layer name '{spec.name}' used twice")
         lo, hi = cls.num_bottoms
         if len(spec.bottoms) < lo or (hi is not None and len(spec.bottoms) > hi):
             want = f"{lo}" if lo == hi else f"{lo} to {hi if hi is not None else 'any'}"
@@ -225,14 +225,14 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
         weights = list(spec.loss_weights) or ([1.0] if layer.is_loss else [])
         if spec.loss_weights and len(spec.loss_weights) != len(top_ids):  # Caffe: none or one per top
             raise ModelFileError(path, spec.msg.line_of("loss_weight"),
-                                 f"layer '{spec.name}' has {len(weights)} loss_weight values for {len(top_ids)} top(s); give none or one per top")
+                                 f"layer '{spec.name}' has {len(spec.loss_weights)} loss_weight values for {len(top_ids)} top(s); give none or one per top")
         if spec.propagate_down and len(spec.propagate_down) != len(bottom_ids):
             raise ModelFileError(path, spec.msg.line_of("propagate_down"),
                                  f"layer '{spec.name}' has {len(spec.propagate_down)} propagate_down values for {len(bottom_ids)} bottom(s); give none or one per bottom")
         for blob_id, weight in zip(top_ids, weights):
             if weight != 0.0:
                 if int(np.prod(blobs[blob_id].shape)) != 1:
-                    raise ModelFileError(path, spec.line, f"layer '{spec.name}': loss_weight on top '{blob_id}' which is not a scalar")
+                    raise ModelFileError(path, spec.msg.line_of("loss_weight"), f"layer '{spec.name}': loss_weight on top '{blob_id}' which is not a scalar")
                 loss_weights[blob_id] = float(weight)
         if layer.is_data and data_shape is None and layer.top_shapes:
             data_shape = layer.top_shapes[0]

@@ -124,7 +124,10 @@ class _Parser:
                 self.take()
                 continue
             if kind == "punct" and value in "}>":
-                self.fail(tok_line, f"'{value}' does not close any block")
+                if closer == "eof":
+                    self.fail(tok_line, f"'{value}' does not close any block")
+                opener = "{" if closer == "}" else "<"
+                self.fail(tok_line, f"'{value}' cannot close the block opened on line {line} with '{opener}'")
             if kind != "ident":
                 self.fail(tok_line, f"expected a field name, found {value!r}")
             self.take()

@@ -563,7 +563,7 @@ The PyTorch comparison benchmark builds exactly this net.
             b = net.conv(f"conv{block}_{i}", b, width, 3, pad=1)
             net.relu(f"relu{block}_{i}", b)
         b = net.pool(f"pool{block}", b, "MAX", 2, 2)
-    b = net.fc("fc", b, 10, msra())
+    b = net.fc("fc", b, 10)
     net.accuracy(b)
     net.loss(b)
     return net
@@ -592,7 +592,7 @@ and a 1x1 stride-2 projection shortcut (conv + BatchNorm + Scale). Input 3x32x32
             b = net.eltwise_sum(block, [shortcut, r])
             net.relu(f"{block}_relu", b)
     b = net.pool("pool", b, "AVE")
-    b = net.fc("fc", b, 10, msra())
+    b = net.fc("fc", b, 10)
     net.accuracy(b)
     net.loss(b)
     return net
@@ -626,7 +626,7 @@ average pooling and fc 10. No LRN, no BatchNorm, He (msra) initialization.
             name, *widths = module
             b = inception_v1_module(net, name, b, *widths)
     b = net.pool("pool3/global", b, "AVE")
-    b = net.fc("classifier", b, 10, msra())
+    b = net.fc("classifier", b, 10)
     net.accuracy(b)
     net.loss(b)
     return net

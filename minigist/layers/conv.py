@@ -8,16 +8,17 @@ declared workspace:
   straight into y viewed as (b, g, O/g, OH*OW);
 - `xpad`: the zero-padded input chunk the im2col view reads from (only with pad > 0);
 - backward: `gwn` (per-sample weight gradients of a chunk, summed over the chunk by one
-  reduction), `gwsum` (the sum of a later chunk), and for the input gradient either
-  `gypad` + `wflip` (stride 1: gx is the stride-1 convolution of the padded gy with the
-  flipped, transposed weights, so no col2im scatter is needed) or `gxpad` (any stride:
-  the columns W^T gy scattered back by one strided add per kernel offset).
+  reduction) and `gwsum` (the sum of a later chunk), both only for trained weights; for the
+  input gradient either `gypad` + `wflip` (stride 1, where a cost model finds it cheaper:
+  gx is the stride-1 convolution of the padded gy with the flipped, transposed weights, so
+  no col2im scatter is needed) or `gxpad` (any stride: the columns W^T gy scattered back by
+  one strided add per kernel offset). The backward re-does the im2col of x, as Caffe does.
 
 The chunk size B is chosen so that one chunk's columns take about `chunk_bytes` (at least
 one sample): it keeps the columns in cache between the copy and the GEMM on a CPU and bounds
 the workspace (Caffe itself works one sample at a time). Set the instance attribute
 `batch_chunk` (an int) before asking for workspaces to force a chunk size, e.g. the whole
-batch on a GPU.
+batch on a GPU; forward and backward take the chunk size from the workspace they are handed.
 
 A 1x1 convolution with stride 1 and no padding needs no im2col: x itself is the column matrix.
 """
@@ -87,14 +88,15 @@ class Convolution(Layer):
         if axis != 1 and axis != 1 - len(shape):
             self.fail(f"axis {axis} is not supported (only the channel axis 1)")
         if len(shape) != 4:
-            self.fail(f"only 2-D convolution of 4-D (N, C, H, W) inputs is supported; "
-                      f"got a {len(shape)}-D input {shape}")
+            self.fail(f"a {len(shape)}-D input {shape} is not supported: only 2-D convolution of 4-D "
+                      f"(N, C, H, W) inputs")
         n, c, h, w = (int(d) for d in shape)
         self.kernel = _pair(self, p, "kernel_size", "kernel_h", "kernel_w", None, together=True)
         self.stride = _pair(self, p, "stride", "stride_h", "stride_w", 1, together=True)
         self.pad = _pair(self, p, "pad", "pad_h", "pad_w", 0)
         dilation = list(p.all("dilation"))
-        self.dilation = tuple(int(d) for d in expect_int_list(self, dilation, "dilation", 2)) if dilation else (1, 1)
+        self.dilation = (tuple(int(d) for d in expect_int_list(self, dilation, "dilation", 2))
+                         if dilation else (1, 1))
         if min(self.kernel) <= 0:
             self.fail(f"kernel size must be positive, got {self.kernel[0]}x{self.kernel[1]}")
         if min(self.stride) <= 0:
@@ -130,7 +132,8 @@ class Convolution(Layer):
         self.bias_term = bool(p.get("bias_term", True))
         if self.bias_term:
             self.add_param("bias", (self.num_output,), filler_of(p.get("bias_filler")))
-        self.keeps_bottoms = (0,)
+        # backward reads x only for the weight gradient
+        self.keeps_bottoms = (0,) if self.params[0].trained else ()
         return [(n, self.num_output, oh, ow)]
 
     # ---- geometry ----------------------------------------------------------------------
@@ -179,7 +182,9 @@ class Convolution(Layer):
         o, g = self.num_output, self.group
         kh, kw = self.kernel
         ws = {}
-        if phase == "backward":
+        # backward reads x only for the weight gradient (none when the weights are frozen)
+        weight_grad = phase == "backward" and self.params[0].trained
+        if weight_grad:
             ws["gwn"] = TensorDecl((b, o * self.cols))
             if n > b:
                 ws["gwsum"] = TensorDecl((o * self.cols,))
@@ -187,7 +192,7 @@ class Convolution(Layer):
             return ws
         ws["col"] = TensorDecl((b * self._col_elems(phase),))
         hp, wp = self._padded_hw()
-        if self.pad != (0, 0):
+        if self.pad != (0, 0) and (phase == "forward" or weight_grad):
             ws["xpad"] = TensorDecl((b, c, hp, wp))
         if phase == "backward":
             if self.transposed_backward:
@@ -247,7 +252,7 @@ class Convolution(Layer):
                 self._add_bias(xp, y0, p[1])
             return
         col = ws["col"]
-        chunk = self._chunk()
+        chunk = col.size // self._col_elems("forward")    # as declared by workspace()
         for n0 in range(0, n, chunk):
             b = min(chunk, n - n0)
             src = self._stage_input(xp, x0[n0:n0 + b], ws, n0 == 0)
@@ -274,8 +279,12 @@ class Convolution(Layer):
         weight = p[0].reshape(g, o // g, self.cols)
         gy4 = gy0.reshape(n, g, o // g, pix)
         gw3 = gw.reshape(g, o // g, self.cols) if gw is not None else None
-        chunk = self._chunk()
-        gwn = ws["gwn"].reshape(-1, g, o // g, self.cols)
+        # the chunk size as declared by workspace()
+        if self.pointwise:
+            chunk = ws["gwn"].shape[0] if "gwn" in ws else n
+        else:
+            chunk = ws["col"].size // self._col_elems("backward")
+        gwn = ws["gwn"].reshape(-1, g, o // g, self.cols) if gw is not None else None
         gwsum = ws["gwsum"].reshape(g, o // g, self.cols) if "gwsum" in ws else None
 
         if self.pointwise:
