@@ -26,7 +26,32 @@ def _arrays(arrays, names):
     return [arrays[name] if name is not None else None for name in names]
 
 
-def bind_step(step, arrays, xp, solver):
+class GistStats:
+    """What the encode steps saw: the densest SSDC input per tensor, and the fallbacks taken
+    when a batch was denser than the plan's bound (the FP32 tensor is then copied outside the
+    planned memory until its decode, so nothing is corrupted; each case is counted)."""
+
+    def __init__(self):
+        self.density = {}
+        self.fallbacks = 0
+        self.fallback_bytes = 0
+        self.fallback_tensors = set()
+        self._kept = {}
+
+    def record_density(self, tensor, nonzeros, size):
+        self.density[tensor] = max(self.density.get(tensor, 0.0), nonzeros / max(1, size))
+
+    def fallback(self, tensor, x):
+        self.fallbacks += 1
+        self.fallback_bytes += x.nbytes
+        self.fallback_tensors.add(tensor)
+        self._kept[tensor] = x.copy()
+
+    def take_fallback(self, tensor):
+        return self._kept.pop(tensor, None)
+
+
+def bind_step(step, arrays, xp, solver, stats=None):
     """A no-argument callable that runs `step` on `arrays` (buffer name -> array)."""
     args = step.args
     layer = step.layer
@@ -36,7 +61,36 @@ def bind_step(step, arrays, xp, solver):
         return lambda: layer.forward(xp, x, y, p, saved, ws)
     if step.kind == "backward":
         bound = [_arrays(arrays, args[role]) for role in ("x", "y", "gy", "gx", "p", "gp", "saved", "ws")]
+        if step.variant == "mask":      # Gist: the ReLU's output arrives as its 1-bit mask, decoded
+            mask, gy, gx = bound[1][0], bound[2][0], bound[3][0]
+            return lambda: layer.backward_from_mask(xp, mask, gy, gx)
+        if step.variant == "identity":  # Gist: the fused pool code already zeroed the gradient
+            gy, gx = bound[2][0], bound[3][0]
+            return lambda: None if gx is gy or gx is None else xp.copyto(gx, gy)
         return lambda: layer.backward(xp, *bound)
+    if step.kind == "encode":
+        codec, enc, ws = step.codec, _arrays(arrays, args["enc"]), _arrays(arrays, args["ws"])
+        inputs = _arrays(arrays, args["x"])
+        x = inputs[0] if len(inputs) == 1 else tuple(inputs)
+        tensor = step.note
+
+        def encode():
+            if stats is not None and hasattr(codec, "capacity"):
+                stats.record_density(tensor, int(xp.count_nonzero(x)), x.size)
+            if codec.encode(xp, x, enc, ws) is False:
+                stats.fallback(tensor, x)
+        return encode
+    if step.kind == "decode":
+        codec, enc, ws = step.codec, _arrays(arrays, args["enc"]), _arrays(arrays, args["ws"])
+        out, tensor = arrays[args["out"]], step.note
+
+        def decode():
+            kept = stats.take_fallback(tensor) if stats is not None else None
+            if kept is not None:
+                xp.copyto(out, kept)
+            else:
+                codec.decode(xp, enc, out, ws)
+        return decode
     if step.kind == "seed":
         target, value = arrays[args["target"]], args["value"]
         return lambda: target.fill(value)
@@ -68,10 +122,10 @@ class Executor:
     """Runs a program whose buffers all have fixed places (none and static modes):
     every step is bound once, then `for step in steps: step()`."""
 
-    def __init__(self, program, arrays, xp, solver=None):
+    def __init__(self, program, arrays, xp, solver=None, stats=None):
         self.program = program
         self.arrays = arrays
-        self.steps = [bind_step(step, arrays, xp, solver) for step in program.steps]
+        self.steps = [bind_step(step, arrays, xp, solver, stats) for step in program.steps]
         self.update_start = program.update_start
 
     def run(self, feed, collect, update=True):
@@ -87,7 +141,7 @@ class DynamicExecutor:
     start there, after it frees those that end there. A step is re-bound only when the pool
     hands its buffers other offsets than last time."""
 
-    def __init__(self, program, plan, arena, base, persistent_arrays, xp, solver, pool):
+    def __init__(self, program, plan, arena, base, persistent_arrays, xp, solver, pool, stats=None):
         self.program = program
         self.plan = plan
         self.arena = arena
@@ -95,6 +149,7 @@ class DynamicExecutor:
         self.persistent_arrays = persistent_arrays
         self.xp = xp
         self.solver = solver
+        self.stats = stats
         self.pool = pool
         self.allocs, self.frees = schedule(plan.groups, len(program.steps))
         self.step_groups = [sorted({plan.group_of[name] for name in step.buffer_names()
@@ -126,7 +181,7 @@ class DynamicExecutor:
             if self.bound[index] is None or self.bound[index][0] != key:
                 step = program_steps[index]
                 arrays = self._arrays(step.buffer_names(), offsets)
-                self.bound[index] = (key, bind_step(step, arrays, self.xp, self.solver))
+                self.bound[index] = (key, bind_step(step, arrays, self.xp, self.solver, self.stats))
             self.bound[index][1]()
             if index < end - 1:
                 for group in self.frees[index]:

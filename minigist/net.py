@@ -16,11 +16,13 @@ import numpy as np
 
 from .backend import get_xp, to_numpy
 from .errors import MinigistError
-from .executor import SGD, DynamicExecutor, Executor, view
+from .codecs import GistConfig
+from .executor import SGD, DynamicExecutor, Executor, GistStats, view
+from .gist import apply_gist
 from .fillers import fill
 from .graph import build_graph
 from .memory import plan_none
-from .memory.plan import MemoryPlan
+from .memory.plan import MODES, MemoryPlan
 from .memory.pool import Pool
 from .memory.report import footprint_report
 from .program import build_program, param_buffer_names
@@ -28,7 +30,14 @@ from .program import build_program, param_buffer_names
 
 class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
-                 seed=0, solver=None, alloc="static", memory_budget=None):
+                 seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
+                 binarize="fused", gist_overrides=None, ssdc_density=None):
+        if alloc not in MODES:
+            raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
+        try:
+            self.gist = GistConfig(gist, dpr, binarize, gist_overrides, ssdc_density)
+        except ValueError as exc:
+            raise MinigistError(str(exc)) from None
         self.xp = get_xp(device)
         self.dtype = np.dtype(dtype)
         self.seed = seed
@@ -36,11 +45,14 @@ class Net:
         self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype)
                        for phase in ("TRAIN", "TEST")}
         self.train_graph = self.graphs["TRAIN"]
-        self.programs = {"train": build_program(self.graphs["TRAIN"], train=True),
-                         "eval": build_program(self.graphs["TEST"], train=False)}
+        self.base_programs = {"train": build_program(self.graphs["TRAIN"], train=True),
+                              "eval": build_program(self.graphs["TEST"], train=False)}
         self.solver = solver or SGD()
         self.alloc = alloc
-        self._allocate(alloc, memory_budget)
+        self.memory_budget = memory_budget
+        self.stats = GistStats()
+        self.arena = None
+        self._build()
         self._init_params(seed)
         self.rng = self._make_rng(seed + 1)
         for graph in self.graphs.values():
@@ -48,6 +60,35 @@ class Net:
                 layer.rng = self.rng
 
     # ---- construction -------------------------------------------------------------------
+    def _build(self, calibrating=False):
+        """Apply Gist to the training program, plan memory and bind the executors. A rebuild
+        (after calibration) carries the persistent state (weights, momentum) over."""
+        old_arena, old_persistent = self.arena, getattr(self, "persistent_bytes", 0)
+        self.programs = {"train": apply_gist(self.base_programs["train"], self.gist, calibrating),
+                         "eval": self.base_programs["eval"]}
+        self._allocate(self.alloc, self.memory_budget)
+        if old_arena is not None:
+            assert old_persistent == self.persistent_bytes
+            self.arena[:old_persistent] = old_arena[:old_persistent]
+
+    def calibrate(self, batches, margin=0.05):
+        """Measure each SSDC candidate's density on `batches` (tuples of net inputs) through
+        forward and backward passes, then plan SSDC for `margin` above the densest batch seen.
+        Weights, running statistics and momentum are left as they were. Returns the densities."""
+        if not self.gist.lossless:
+            return {}
+        keep = self.state()
+        self.stats = GistStats()
+        self._build(calibrating=True)
+        for inputs in batches:
+            self.forward_backward(*inputs)
+        measured = dict(self.stats.density)
+        self.gist.ssdc_density = {name: min(1.0, density * (1.0 + margin)) for name, density in measured.items()}
+        self.stats = GistStats()
+        self._build(calibrating=False)
+        self._restore(keep)
+        return measured
+
     def _allocate(self, alloc, memory_budget):
         """Plan both programs, then carve every array out of one arena."""
         persistent = {}
@@ -78,7 +119,7 @@ class Net:
             self.pool = Pool(limit=limit)
             for key, program in self.programs.items():
                 self.executors[key] = DynamicExecutor(program, self.plans[key], self.arena, self.persistent_bytes,
-                                                      self.arrays, self.xp, self.solver, self.pool)
+                                                      self.arrays, self.xp, self.solver, self.pool, self.stats)
             return
         self.pool = None
         for key, program in self.programs.items():
@@ -86,7 +127,7 @@ class Net:
             arrays = {name: self.arrays[name] if buffer.persistent else
                       view(self.arena, self.persistent_bytes + plan.offset(name), buffer.shape, buffer.dtype)
                       for name, buffer in program.buffers.items()}
-            self.executors[key] = Executor(program, arrays, self.xp, self.solver)
+            self.executors[key] = Executor(program, arrays, self.xp, self.solver, self.stats)
 
     def _make_rng(self, seed):
         if self.xp is np:
@@ -160,9 +201,15 @@ class Net:
         return self.executors["eval"].run(self._feeder("eval", inputs), collect)
 
     def report(self):
-        """The footprint report (a dict) of the training program under this net's mode."""
+        """The footprint report (a dict) of the training program under this net's mode, with
+        what the Gist encoders measured so far."""
+        extra = {"gist": {"mode": self.gist.mode, "dpr": self.gist.dpr, "binarize": self.gist.binarize,
+                          "ssdc_density_planned": dict(self.gist.ssdc_density),
+                          "ssdc_density_seen": dict(self.stats.density),
+                          "ssdc_fallbacks": self.stats.fallbacks,
+                          "ssdc_fallback_bytes": self.stats.fallback_bytes}}
         return footprint_report(self.plans["train"], model=self.model,
-                                parameters=self.train_graph.param_count())
+                                parameters=self.train_graph.param_count(), extra=extra)
 
     # ---- parameters ---------------------------------------------------------------------
     def params(self):
@@ -207,12 +254,7 @@ class Net:
             raise MinigistError(f"{path}: weights file not found") from None
         except (OSError, ValueError) as exc:
             raise MinigistError(f"{path}: not a readable .npz weights file ({exc})") from None
-        targets = dict(self.params())
-        for layer in self._param_layers():
-            for index, decl in enumerate(layer.params):
-                name = param_buffer_names(layer, index)[2]
-                if name in self.arrays:
-                    targets[f"momentum:{layer.name}.{decl.name}"] = self.arrays[name]
+        targets = self._state_targets()
         missing = [k for k in self.params() if k not in values]
         if missing:
             raise MinigistError(f"{path}: no values for {', '.join(missing[:5])}")
@@ -221,6 +263,21 @@ class Net:
                 raise MinigistError(f"{path}: '{key}' is not a parameter of {self.model}")
             if tuple(value.shape) != tuple(targets[key].shape):
                 raise MinigistError(f"{path}: '{key}' has shape {value.shape}, the net needs {targets[key].shape}")
+            targets[key][...] = self.xp.asarray(value)
+
+    def _state_targets(self):
+        """{key: live array} for every key that `state()` writes."""
+        targets = dict(self.params())
+        for layer in self._param_layers():
+            for index, decl in enumerate(layer.params):
+                name = param_buffer_names(layer, index)[2]
+                if name in self.arrays:
+                    targets[f"momentum:{layer.name}.{decl.name}"] = self.arrays[name]
+        return targets
+
+    def _restore(self, values):
+        targets = self._state_targets()
+        for key, value in values.items():
             targets[key][...] = self.xp.asarray(value)
 
     # ---- description --------------------------------------------------------------------
@@ -269,9 +326,19 @@ def summary(graph):
     return "\n".join(lines)
 
 
-def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32):
+def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
+                   gist="none", dpr="fp16", binarize="fused", ssdc_density=None):
     """The footprint report of one training iteration, computed from shapes alone: no array
-    is allocated and nothing runs."""
+    is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
+    (measured densities: a plan cannot see data)."""
+    if alloc not in MODES:
+        raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
+    try:
+        config = GistConfig(gist, dpr, binarize, None, ssdc_density)
+    except ValueError as exc:
+        raise MinigistError(str(exc)) from None
     graph = build_graph(model, "TRAIN", batch_size, input_size, dtype)
-    program = build_program(graph, train=True)
-    return footprint_report(MemoryPlan(program, alloc), model=str(model), parameters=graph.param_count())
+    program = apply_gist(build_program(graph, train=True), config)
+    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}}
+    return footprint_report(MemoryPlan(program, alloc), model=str(model), parameters=graph.param_count(),
+                            extra=extra)

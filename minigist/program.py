@@ -50,6 +50,9 @@ class Step:
     kind: str
     layer: object = None
     args: dict = field(default_factory=dict)
+    codec: object = None      # encode / decode steps: the codec they run
+    variant: str = None       # backward steps: "mask" or "identity" when Gist changed the stash
+    note: str = ""            # encode / decode steps: the tensor they work on
 
     def buffer_names(self, roles=None):
         for role, value in self.args.items():
@@ -65,6 +68,8 @@ class Step:
     @property
     def label(self):
         name = self.layer.name if self.layer is not None else self.args.get("target", "")
+        if self.note:
+            name = self.note
         return f"{self.kind}:{name}"
 
 
@@ -75,6 +80,7 @@ class Program:
         self.steps = steps
         self.outputs = outputs          # blob id -> buffer name, read after the run
         self.loss_weights = loss_weights  # buffer name -> weight
+        self.encodings = {}             # stashed buffer -> Encoding (filled by the Gist pass)
         self.compute_liveness()
 
     @property

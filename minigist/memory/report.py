@@ -38,6 +38,29 @@ def live_by_step(plan):
     return np.cumsum(delta[:steps]) + plan.persistent_bytes
 
 
+def stash_rows(plan):
+    """One row per tensor kept for the backward pass: as it is (fp32) or encoded by Gist."""
+    program, rows = plan.program, []
+    buffers = program.buffers
+    for name, buffer in buffers.items():
+        encoding = program.encodings.get(name)
+        if encoding is None and (buffer.category != STASH or name.startswith("dec:")):
+            continue
+        row = {"layer": buffer.layer, "tensor": name.split(":", 1)[1], "shape": list(buffer.shape),
+               "encoding": "fp32" if buffer.dtype == np.float32 else str(buffer.dtype),
+               "raw_bytes": buffer.nbytes, "stored_bytes": align(buffer.nbytes, plan.alignment),
+               "first_use": buffer.first_use, "last_use": buffer.last_use}
+        if encoding is not None:
+            parts = [buffers[n] for n in encoding.encoded]
+            row["encoding"] = encoding.name
+            row["stored_bytes"] = sum(align(b.nbytes, plan.alignment) for b in parts)
+            if parts:
+                row["first_use"] = min(b.first_use for b in parts)
+                row["last_use"] = max(b.last_use for b in parts)
+        rows.append(row)
+    return rows
+
+
 def footprint_report(plan, model="", parameters=0, extra=None):
     program = plan.program
     graph = program.graph
@@ -58,15 +81,10 @@ def footprint_report(plan, model="", parameters=0, extra=None):
     for buffer in buffers.values():
         total_by_category[buffer.category] += align(buffer.nbytes, plan.alignment)
 
-    stash = []
-    for buffer in buffers.values():
-        if buffer.category != STASH:
-            continue
-        tensor = buffer.name.split(":", 1)[1]
-        stash.append({"layer": buffer.layer, "tensor": tensor, "shape": list(buffer.shape),
-                      "encoding": "fp32" if buffer.dtype == np.float32 else str(buffer.dtype),
-                      "raw_bytes": buffer.nbytes, "stored_bytes": align(buffer.nbytes, plan.alignment),
-                      "first_use": buffer.first_use, "last_use": buffer.last_use})
+    stash = stash_rows(plan)
+    stash_by_encoding = {}
+    for row in stash:
+        stash_by_encoding[row["encoding"]] = stash_by_encoding.get(row["encoding"], 0) + row["stored_bytes"]
 
     by_layer = {}
     for buffer in buffers.values():
@@ -92,6 +110,7 @@ def footprint_report(plan, model="", parameters=0, extra=None):
         "steps": len(program.steps),
         "buffers": len(buffers),
         "stash": stash,
+        "stash_by_encoding": stash_by_encoding,
         "by_layer": by_layer,
     }
     if plan.pool is not None:
@@ -126,7 +145,11 @@ def format_report(report):
         if total:
             lines.append(f"  {category:<16} {report['peak_by_category'][category]:>14,} B  {total:>16,} B")
     stashed = sum(row["stored_bytes"] for row in report["stash"])
-    lines.append(f"  stash: {len(report['stash'])} tensors, {stashed:,} B stored")
+    raw = sum(row["raw_bytes"] for row in report["stash"])
+    lines.append(f"  stash: {len(report['stash'])} tensors, {raw:,} B as fp32, {stashed:,} B stored")
+    for encoding, nbytes in sorted(report["stash_by_encoding"].items(), key=lambda item: -item[1]):
+        count = sum(1 for row in report["stash"] if row["encoding"] == encoding)
+        lines.append(f"    {encoding:<15} {count:4d} tensors {nbytes:>16,} B")
     return "\n".join(lines)
 
 
