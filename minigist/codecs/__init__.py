@@ -1,0 +1,86 @@
+"""Gist's codecs, and how the schedule builder picks one per stashed tensor.
+
+Encodings by name (the names the footprint report uses):
+
+| name          | codec                      | lossless | stores                                        |
+|---------------|----------------------------|----------|-----------------------------------------------|
+| fp32          | none                       | yes      | the tensor itself                             |
+| mask-1bit     | BitMask                    | yes      | ReLU output > 0 (or a Dropout mask), 1 bit    |
+| index-4bit    | PackedCodes(4)             | yes      | MaxPool argmax, 4 bits per pool output        |
+| relu-pool-4bit| FusedReluPool              | yes      | one code per pool output: argmax or "max <= 0"|
+| ssdc          | SSDC (CSR-256 or bitmap)   | yes*     | the non-zeros of a sparse map                 |
+| fp16 / fp10 / fp8-e4m3 / fp8-e5m2 | DPR    | no       | the map in reduced precision                  |
+
+(*) SSDC is lossless with fp32 values; under `--gist all` its values use the DPR format.
+
+A user may register a codec for a (producer type, consumer type) pair with `register_codec`;
+a registered pair takes precedence over the built-in choice. Registering a pair twice is an
+error.
+"""
+from .base import Codec
+
+GIST_MODES = ("none", "lossless", "lossy", "all")
+DPR_FORMATS = ("fp16", "fp10", "fp8-e4m3", "fp8-e5m2")
+BINARIZE_FORMS = ("fused", "paper")
+
+_REGISTRY = {}
+
+
+def register_codec(producer_type, consumer_type, factory):
+    """Use `factory(shape, dtype) -> Codec` for maps that a `producer_type` layer produces and a
+    `consumer_type` layer keeps for its backward pass."""
+    key = (producer_type, consumer_type)
+    if key in _REGISTRY:
+        raise ValueError(f"a codec is already registered for {producer_type} -> {consumer_type}")
+    _REGISTRY[key] = factory
+
+
+def unregister_codec(producer_type, consumer_type):
+    del _REGISTRY[(producer_type, consumer_type)]
+
+
+def registered_codec(producer_type, consumer_types):
+    """The factory registered for this producer and one of the consumers, if any."""
+    for consumer_type in consumer_types:
+        factory = _REGISTRY.get((producer_type, consumer_type))
+        if factory is not None:
+            return factory
+    return None
+
+
+class GistConfig:
+    """What the schedule builder may do.
+
+    mode: none | lossless | lossy | all; dpr: the reduced-precision format; binarize:
+    'fused' (one code per pool output, the default) or 'paper' (1-bit mask + 4-bit argmax);
+    overrides: {layer name or stashed tensor name: encoding name ('fp32' keeps a map as it is)};
+    ssdc_density: {tensor name: the largest fraction of non-zeros to plan for}, measured by
+    calibration; tensors without an entry are planned dense (no SSDC).
+    """
+
+    def __init__(self, mode="none", dpr="fp16", binarize="fused", overrides=None, ssdc_density=None):
+        if mode not in GIST_MODES:
+            raise ValueError(f"--gist: expected one of {', '.join(GIST_MODES)}, got {mode!r}")
+        if dpr not in DPR_FORMATS:
+            raise ValueError(f"--dpr: expected one of {', '.join(DPR_FORMATS)}, got {dpr!r}")
+        if binarize not in BINARIZE_FORMS:
+            raise ValueError(f"binarize: expected one of {', '.join(BINARIZE_FORMS)}, got {binarize!r}")
+        self.mode = mode
+        self.dpr = dpr
+        self.binarize = binarize
+        self.overrides = dict(overrides or {})
+        self.ssdc_density = dict(ssdc_density or {})
+
+    @property
+    def lossless(self):
+        return self.mode in ("lossless", "all")
+
+    @property
+    def lossy(self):
+        return self.mode in ("lossy", "all")
+
+    def __repr__(self):
+        return f"GistConfig(mode={self.mode!r}, dpr={self.dpr!r}, binarize={self.binarize!r})"
+
+
+__all__ = ["Codec", "GistConfig", "register_codec", "unregister_codec", "GIST_MODES", "DPR_FORMATS"]

@@ -1,0 +1,166 @@
+"""Gist's schedule builder: encodings chosen, lifetimes shortened, lossless training
+bit-identical to no encoding, the SSDC fallback, overrides and registered codecs."""
+import os
+
+import numpy as np
+import pytest
+
+import minigist
+from minigist.codecs import register_codec, unregister_codec
+from minigist.codecs.dpr import DPR
+from minigist.errors import MinigistError
+from minigist.gist import apply_gist
+from minigist.codecs import GistConfig
+from minigist.memory.plan import MemoryPlan
+
+MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
+SMALL_MODELS = ["vgg_small", "resnet20", "inception_small"]
+
+
+def model(name):
+    return os.path.join(MODELS_DIR, name + ".prototxt")
+
+
+def batches(count, batch_size=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch_size, 3, 32, 32)).astype(np.float32),
+             rng.integers(0, 10, batch_size)) for _ in range(count)]
+
+
+def train(name, gist, alloc, steps=5, **kwargs):
+    net = minigist.Net(model(name), batch_size=4, seed=1, gist=gist, alloc=alloc,
+                       solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4), **kwargs)
+    data = batches(steps)
+    if gist != "none":
+        net.calibrate(data[:2])
+    losses = [net.train_step(*batch) for batch in data]
+    return net, losses
+
+
+@pytest.mark.parametrize("name", SMALL_MODELS)
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+def test_lossless_training_is_bit_identical(name, alloc):
+    reference, expected = train(name, "none", alloc)
+    net, losses = train(name, "lossless", alloc)
+    assert losses == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+    encodings = {row["encoding"] for row in net.report()["stash"]}
+    assert encodings & {"relu-pool-4bit", "mask-1bit", "ssdc", "index-4bit"}
+
+
+def test_paper_binarize_form_is_bit_identical_too():
+    reference, expected = train("vgg_small", "none", "static")
+    net, losses = train("vgg_small", "lossless", "static", binarize="paper")
+    assert losses == expected
+    encodings = {row["encoding"] for row in net.report()["stash"]}
+    assert {"mask-1bit", "index-4bit"} <= encodings and "relu-pool-4bit" not in encodings
+
+
+def stash_table(net):
+    return {row["tensor"]: row for row in net.report()["stash"]}
+
+
+def test_encodings_and_shortened_lifetimes_on_vgg_small():
+    net = minigist.Net(model("vgg_small"), batch_size=4, gist="lossless")
+    net.calibrate(batches(2))
+    table = stash_table(net)
+    # ReLU -> MaxPool: the ReLU output is not kept; the pool keeps one 4-bit code per output
+    assert table["conv1_2@relu1_2"]["encoding"] == "dropped"
+    pool = table["pool1.argmax"]
+    assert pool["encoding"] == "relu-pool-4bit"
+    assert pool["stored_bytes"] == 4 * 64 * 16 * 16 // 2      # 4 bits per pool output
+    # ReLU -> Conv: SSDC, sized from the measured density
+    relu = table["conv1_1@relu1_1"]
+    assert relu["encoding"] == "ssdc" and relu["stored_bytes"] < relu["raw_bytes"]
+    program = net.programs["train"]
+    kinds = [step.kind for step in program.steps]
+    first_backward = kinds.index("seed")
+    for step_index, step in enumerate(program.steps):
+        if step.kind == "encode":
+            assert step_index < first_backward
+        if step.kind == "decode":
+            assert step_index > first_backward
+    # the FP32 ReLU output now dies in the forward pass
+    assert program.buffers["blob:conv1_1@relu1_1"].last_use < first_backward
+
+
+def test_gist_shrinks_the_static_footprint():
+    sizes = {}
+    for gist in ("none", "lossless", "lossy", "all"):
+        net = minigist.Net(model("vgg_small"), batch_size=16, gist=gist)
+        if gist != "none":
+            net.calibrate(batches(2, batch_size=16))
+        sizes[gist] = net.report()["footprint_bytes"]
+    assert sizes["all"] < sizes["lossless"] < sizes["none"]
+    assert sizes["lossy"] < sizes["none"]
+
+
+def test_ssdc_fallback_keeps_results_exact():
+    """Plan SSDC for 1% density: every batch overflows; the fallback keeps training exact."""
+    reference, expected = train("resnet20", "none", "static", steps=2)
+    net = minigist.Net(model("resnet20"), batch_size=4, seed=1, gist="lossless",
+                       solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+    densities = net.calibrate(batches(1))
+    net.gist.ssdc_density = {name: 0.01 for name in densities}
+    net._build()
+    losses = [net.train_step(*batch) for batch in batches(2)]
+    assert losses == expected
+    report = net.report()
+    assert report["gist"]["ssdc_fallbacks"] > 0 and report["gist"]["ssdc_fallback_bytes"] > 0
+
+
+def test_ssdc_is_skipped_where_it_does_not_pay():
+    graph = minigist.build_graph(model("vgg_small"), batch_size=2)
+    program = minigist.build_program(graph)
+    dense = apply_gist(program, GistConfig("lossless", ssdc_density={"conv1_1@relu1_1": 0.99}))
+    assert "blob:conv1_1@relu1_1" not in dense.encodings
+    sparse = apply_gist(program, GistConfig("lossless", ssdc_density={"conv1_1@relu1_1": 0.3}))
+    assert sparse.encodings["blob:conv1_1@relu1_1"].name == "ssdc"
+
+
+def test_lossy_modes_use_the_chosen_format():
+    for fmt in ("fp16", "fp10", "fp8-e4m3", "fp8-e5m2"):
+        net = minigist.Net(model("resnet20"), batch_size=2, gist="lossy", dpr=fmt)
+        encodings = {row["encoding"] for row in net.report()["stash"]}
+        assert fmt in encodings
+        loss = net.train_step(*batches(1, batch_size=2)[0])
+        assert np.isfinite(loss)
+
+
+def test_overrides_by_layer_and_tensor():
+    net = minigist.Net(model("vgg_small"), batch_size=2, gist="lossless",
+                       gist_overrides={"conv1_1@relu1_1": "fp16", "pool2": "fp32"})
+    table = stash_table(net)
+    assert table["conv1_1@relu1_1"]["encoding"] == "fp16"
+    assert table["pool2.argmax"]["encoding"] == "uint8"            # kept as it is
+    assert table["conv2_2@relu2_2"]["encoding"] == "mask-1bit"     # no fused code then
+    assert table["pool1.argmax"]["encoding"] == "relu-pool-4bit"
+
+
+def test_registered_codec_takes_precedence():
+    register_codec("ReLU", "Convolution", lambda shape, dtype: DPR("fp10"))
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_codec("ReLU", "Convolution", lambda shape, dtype: DPR("fp16"))
+        net = minigist.Net(model("vgg_small"), batch_size=2, gist="lossless")
+        assert stash_table(net)["conv1_1@relu1_1"]["encoding"] == "fp10"
+    finally:
+        unregister_codec("ReLU", "Convolution")
+
+
+def test_bad_gist_values_are_one_line_errors():
+    with pytest.raises(MinigistError, match="--gist"):
+        minigist.Net(model("vgg_small"), batch_size=2, gist="sometimes")
+    with pytest.raises(MinigistError, match="--dpr"):
+        minigist.Net(model("vgg_small"), batch_size=2, gist="lossy", dpr="fp7")
+
+
+def test_plan_only_footprint_with_densities():
+    graph = minigist.build_graph(model("vgg_small"), batch_size=64)
+    program = minigist.build_program(graph)
+    none = MemoryPlan(program, "static").footprint_bytes
+    report = minigist.net.plan_footprint(model("vgg_small"), batch_size=64, gist="all",
+                                         ssdc_density={"conv1_1@relu1_1": 0.5})
+    assert report["footprint_bytes"] < none
+    assert report["gist"]["mode"] == "all"
