@@ -94,7 +94,7 @@ class _Builder:
         return next(node for node in self.graph.nodes if node.layer.name == buffer.layer)
 
     def dpr_applies(self, buffer):
-        return (self.config.lossy and buffer.dtype.kind == "f"
+        return (self.config.lossy and buffer.dtype == np.float32
                 and int(np.prod(buffer.shape)) > self.graph.batch_size)
 
     def ssdc_codec(self, buffer):
@@ -177,7 +177,7 @@ class _Builder:
                 for index in self.readers[buffer.name]:
                     self.mask_relus[index] = buffer.name
                 return self.BitMask(), []
-            if buffer.dtype.kind == "f" and buffer.name.startswith("blob:") and \
+            if buffer.dtype == np.float32 and buffer.name.startswith("blob:") and \
                     _sparse_prone(self.graph, self.tensor_name(buffer), self.sparse_memo):
                 codec = self.ssdc_codec(buffer)
                 if codec is not None:
