@@ -104,16 +104,24 @@ def bind_step(step, arrays, xp, solver, stats=None):
         weight, grad = arrays[args["param"]], arrays[args["grad"]]
         momentum, scratch = arrays[args["momentum"]], arrays[args["ws"]]
         lr_mult, decay_mult = args["lr_mult"], args["decay_mult"]
+        # the scratch holds one chunk: a parameter-sized temporary would cost as much as the
+        # parameter itself (453 MB for OverFeat's fc6)
+        chunk = scratch.size
+        pieces = [(w, g, v, scratch[:w.size]) for w, g, v in (
+            (weight.reshape(-1)[i:i + chunk], grad.reshape(-1)[i:i + chunk], momentum.reshape(-1)[i:i + chunk])
+            for i in range(0, weight.size, chunk))]
 
         def update():
             decay = solver.weight_decay * decay_mult
-            if decay:
-                xp.multiply(weight, decay, out=scratch)
-                xp.add(grad, scratch, out=grad)
-            xp.multiply(grad, solver.lr * lr_mult, out=scratch)
-            xp.multiply(momentum, solver.momentum, out=momentum)
-            xp.add(momentum, scratch, out=momentum)
-            xp.subtract(weight, momentum, out=weight)
+            rate = solver.lr * lr_mult
+            for w, g, v, tmp in pieces:
+                if decay:
+                    xp.multiply(w, decay, out=tmp)
+                    xp.add(g, tmp, out=g)
+                xp.multiply(g, rate, out=tmp)
+                xp.multiply(v, solver.momentum, out=v)
+                xp.add(v, tmp, out=v)
+                xp.subtract(w, v, out=w)
         return update
     raise ValueError(f"unknown step kind {step.kind!r}")
 

@@ -22,6 +22,7 @@ ENCODED = "encoded"
 CATEGORIES = (WEIGHTS, WEIGHT_GRADS, OPTIMIZER_STATE, INPUT, STASH, FEATURE, GRADIENT,
               WORKSPACE, ENCODED)
 PERSISTENT_CATEGORIES = (WEIGHTS, WEIGHT_GRADS, OPTIMIZER_STATE)
+UPDATE_CHUNK = 1 << 18      # elements the SGD update handles at a time
 
 
 @dataclass
@@ -247,8 +248,8 @@ def build_program(graph, train=True):
             if grad not in buffers:     # the layer's output reaches no loss
                 continue
             add(momentum, decl.shape, layer.dtype, OPTIMIZER_STATE, layer.name)
-            scratch = add(f"ws:{layer.name}.update.{decl.name}", decl.shape, layer.dtype,
-                          WORKSPACE, layer.name)
+            scratch = add(f"ws:{layer.name}.update.{decl.name}", (min(int(np.prod(decl.shape)), UPDATE_CHUNK),),
+                          layer.dtype, WORKSPACE, layer.name)
             steps.append(Step("update", layer, {
                 "param": weight, "grad": grad, "momentum": momentum, "ws": scratch,
                 "lr_mult": decl.lr_mult, "decay_mult": decl.decay_mult}))

@@ -1,0 +1,57 @@
+"""Time a training step with and without Gist on the CPU-size models, side by side in one run.
+
+    python bench/gist_overhead.py [--batch-size 32] [--repeats 7] [--models vgg_small,resnet20]
+
+For each model the nets (gist none, lossless, lossy fp16, all fp16) are built once, warmed up,
+then timed in alternation (none, lossless, ..., none, lossless, ...) so that machine noise hits
+every mode alike; the reported figure is the median step time and its ratio to `none`.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import minigist  # noqa: E402
+
+CONFIGS = [("none", "none", "fp16"), ("lossless", "lossless", "fp16"), ("lossy fp16", "lossy", "fp16"),
+           ("all fp16", "all", "fp16")]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--models", default="vgg_small,resnet20,inception_small")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"| model (batch {args.batch_size}) | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in CONFIGS) + " |")
+    print("|---|" + "---:|" * len(CONFIGS))
+    for name in args.models.split(","):
+        path = os.path.join(ROOT, "models", name + ".prototxt")
+        batches = [(rng.standard_normal((args.batch_size, 3, 32, 32)).astype(np.float32),
+                    rng.integers(0, 10, args.batch_size)) for _ in range(2)]
+        nets = {}
+        for label, gist, dpr in CONFIGS:
+            net = minigist.Net(path, batch_size=args.batch_size, seed=0, gist=gist, dpr=dpr)
+            net.calibrate(batches)
+            net.train_step(*batches[0])   # warm-up: first touch of the arena
+            nets[label] = net
+        times = {label: [] for label in nets}
+        for repeat in range(args.repeats):
+            for label, net in nets.items():
+                start = time.perf_counter()
+                net.train_step(*batches[repeat % 2])
+                times[label].append(time.perf_counter() - start)
+        base = statistics.median(times["none"])
+        cells = [f"{statistics.median(t):.3f} ({statistics.median(t) / base:.3f})" for t in times.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The README's Gist table: the paper's experiment, reproduced and extended, from plans alone
+(exact byte counts, nothing allocated or run).
+
+    python tools/gist_table.py            # prints the markdown tables
+
+Networks at batch 64 and their ImageNet input sizes; allocation static and dynamic; for each,
+the footprint under Gist none, lossless, lossy (FP16), all (FP16) and all (FP8-E4M3), the
+ratio to none under the same allocation, and the stash bytes by encoding. SSDC is planned from
+the densities that tools/measure_densities.py measured (models/densities/NAME.json), 5% above
+the densest batch seen, as Net.calibrate does.
+"""
+import json
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from minigist.net import plan_footprint  # noqa: E402
+
+PAPER = ["alexnet", "nin", "overfeat", "vgg16", "googlenet"]
+EXTRA = ["resnet50", "inception_v3"]
+CONFIGS = [("none", "none", "fp16"), ("lossless", "lossless", "fp16"), ("lossy fp16", "lossy", "fp16"),
+           ("all fp16", "all", "fp16"), ("all fp8", "all", "fp8-e4m3")]
+MARGIN = 0.05
+
+
+def densities(name):
+    path = os.path.join(ROOT, "models", "densities", name + ".json")
+    with open(path) as handle:
+        measured = json.load(handle)["density"]
+    return {tensor: min(1.0, value * (1 + MARGIN)) for tensor, value in measured.items()}
+
+
+def gib(nbytes):
+    return f"{nbytes / 2**30:.2f}"
+
+
+def table(alloc, batch_size=64):
+    rows, ratios = [], {}
+    for name in PAPER + EXTRA:
+        path = os.path.join(ROOT, "models", name + ".prototxt")
+        density = densities(name)
+        reports = {label: plan_footprint(path, batch_size=batch_size, alloc=alloc, gist=gist, dpr=dpr,
+                                         ssdc_density=density)
+                   for label, gist, dpr in CONFIGS}
+        base = reports["none"]["footprint_bytes"]
+        cells = []
+        for label, _, _ in CONFIGS:
+            size = reports[label]["footprint_bytes"]
+            ratios.setdefault(label, {})[name] = base / size
+            cells.append(f"{gib(size)} ({base / size:.2f}x)")
+        rows.append((name, cells, reports))
+    return rows, ratios
+
+
+def main():
+    stash_rows = []
+    for alloc in ("static", "dynamic"):
+        rows, ratios = table(alloc)
+        print(f"\n**{alloc} allocation**, batch 64: footprint GiB (ratio to none)\n")
+        print("| network | " + " | ".join(label for label, _, _ in CONFIGS) + " |")
+        print("|---|" + "---:|" * len(CONFIGS))
+        for name, cells, reports in rows:
+            print(f"| {name} | " + " | ".join(cells) + " |")
+            if alloc == "static":
+                stash_rows.append((name, reports))
+        for label, _, _ in CONFIGS[1:]:
+            paper = [ratios[label][n] for n in PAPER]
+            print(f"\n{alloc}, {label}: paper's five networks average {sum(paper) / len(paper):.2f}x, "
+                  f"max {max(paper):.2f}x; all seven max {max(ratios[label].values()):.2f}x", end="")
+        print()
+    print("\n**Stash bytes by encoding** (static, batch 64, MiB)\n")
+    encodings = ["fp32", "relu-pool-4bit", "mask-1bit", "index-4bit", "ssdc", "ssdc-fp16", "fp16", "ssdc-fp8-e4m3",
+                 "fp8-e4m3", "uint8", "bool", "dropped"]
+    print("| network | config | " + " | ".join(encodings) + " |")
+    print("|---|---|" + "---:|" * len(encodings))
+    for name, reports in stash_rows:
+        for label in ("none", "lossless", "all fp16", "all fp8"):
+            by = reports[label]["stash_by_encoding"]
+            counts = {}
+            for row in reports[label]["stash"]:
+                counts[row["encoding"]] = counts.get(row["encoding"], 0) + 1
+            cells = [f"{by[e] / 2**20:,.1f} ({counts[e]})" if e in by else "" for e in encodings]
+            print(f"| {name} | {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
