@@ -306,3 +306,19 @@ def check_no_overlap_fast(blocks):
         ordered = sorted(live)
         for (o1, s1, _, _), (o2, _, _, _) in zip(ordered, ordered[1:]):
             assert o1 + s1 <= o2, (step, o1, s1, o2)
+
+
+@pytest.mark.parametrize("name", SMALL_MODELS)
+def test_small_models_train_bit_identically_in_every_mode(name):
+    """Convolutions write gx over gy where shapes allow, ReLU and BN in place: same bits."""
+    rng = np.random.default_rng(3)
+    data = [(rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(2)]
+    results = {}
+    for alloc in ("none", "static", "dynamic"):
+        net = minigist.Net(os.path.join(MODELS_DIR, name + ".prototxt"), batch_size=4, alloc=alloc, seed=2)
+        losses = [net.train_step(*batch) for batch in data]
+        results[alloc] = (losses, {k: v.copy() for k, v in net.params().items()})
+    for alloc in ("static", "dynamic"):
+        assert results[alloc][0] == results["none"][0]
+        for key, value in results["none"][1].items():
+            np.testing.assert_array_equal(results[alloc][1][key], value, err_msg=f"{alloc} {key}")

@@ -136,6 +136,13 @@ class Convolution(Layer):
         self.keeps_bottoms = (0,) if self.params[0].trained else ()
         return [(n, self.num_output, oh, ow)]
 
+    def inplace_safe(self, bottom_index, top_index):
+        """gx may overwrite gy (and y x) when they have one shape: each batch chunk of gy (x)
+        is copied into the column workspace before the same chunk of gx (y) is written. Not
+        for the 1x1 path, whose single matmul would read what it writes."""
+        n, c, h, w = self.in_shape
+        return not self.pointwise and (c, h, w) == (self.num_output,) + self.out_hw
+
     # ---- geometry ----------------------------------------------------------------------
     def _transposed_cheaper(self):
         """Whether gx as a stride-1 convolution of the padded gy (im2col of gy: O*kk*H*W

@@ -67,7 +67,9 @@ def footprint_report(plan, model="", parameters=0, extra=None):
     buffers = program.buffers
     live = live_by_step(plan)
     peak_step = int(np.argmax(live)) if len(live) else 0
-    first_backward = next((i for i, s in enumerate(program.steps) if s.kind != "forward"), len(program.steps))
+    # the backward phase starts at the loss seed (encode steps still belong to the forward)
+    first_backward = next((i for i, s in enumerate(program.steps) if s.kind not in ("forward", "encode")),
+                          len(program.steps))
 
     peak_by_category = {c: 0 for c in CATEGORIES}
     for buffer in buffers.values():
