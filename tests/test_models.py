@@ -64,10 +64,10 @@ def vgg16_params():
     return convs + fc(512 * 7 * 7, 4096) + fc(4096, 4096) + fc(4096, 1000)
 
 
-def inception_v1(cin, c1, c3r, c3, c5r, c5, cp):
+def inception_v1(cin, c1, c3r, c3, c5r, c5, cp, unit=conv):
     """GoogLeNet's module; returns (parameters, output channels)."""
-    params = (conv(cin, c1, 1) + conv(cin, c3r, 1) + conv(c3r, c3, 3) + conv(cin, c5r, 1)
-              + conv(c5r, c5, 5) + conv(cin, cp, 1))
+    params = (unit(cin, c1, 1) + unit(cin, c3r, 1) + unit(c3r, c3, 3) + unit(cin, c5r, 1)
+              + unit(c5r, c5, 5) + unit(cin, cp, 1))
     return params, c1 + c3 + c5 + cp
 
 
@@ -144,10 +144,10 @@ def vgg_small_params():
 
 
 def inception_small_params():
-    total, channels = conv(3, 64, 3), 64
+    total, channels = conv_bn(3, 64, 3), 64
     for row in [(32, 48, 64, 8, 16, 16), (64, 64, 96, 16, 32, 32),
                 (64, 96, 128, 16, 32, 32), (96, 96, 128, 24, 64, 64)]:
-        params, channels = inception_v1(channels, *row)
+        params, channels = inception_v1(channels, *row, unit=conv_bn)
         total += params
     return total + fc(channels, 10)
 
@@ -223,7 +223,7 @@ MODELS = {
 EXPECTED_COUNTS = {
     "alexnet": 60_965_224, "nin": 7_595_176, "overfeat": 145_920_872, "vgg16": 138_357_544,
     "googlenet": (13_378_280, 6_998_552), "inception_v3": 23_834_568, "resnet50": 25_557_032,
-    "vgg_small": 1_186_378, "resnet20": 272_474, "inception_small": 525_434,
+    "vgg_small": 1_186_378, "resnet20": 272_474, "inception_small": 526_826,
 }
 
 PHASES = ("TRAIN", "TEST")
@@ -301,8 +301,8 @@ def test_alexnet_is_grouped_with_lrn():
     assert sum(1 for layer in graph.layers if layer.type == "Dropout") == 2
 
 
-def test_resnets_are_kaiming_style():
-    for name in ("resnet50", "resnet20"):
+def test_batch_norm_nets_are_kaiming_style():
+    for name in ("resnet50", "resnet20", "inception_v3", "inception_small"):
         graph = build_graph(model_path(name), "TRAIN")
         types = [layer.type for layer in graph.layers]
         convs = [layer for layer in graph.layers if layer.type == "Convolution"]

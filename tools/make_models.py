@@ -331,9 +331,23 @@ with dropout 0.5. Layer names as in the authors' Caffe release. Input 3x224x224.
     return net
 
 
-def inception_v1_module(net, name, bottom, c1, c3r, c3, c5r, c5, cp, **conv_args):
-    """GoogLeNet's Inception module: 1x1 | 1x1-3x3 | 1x1-5x5 | 3x3 max pool-1x1, concatenated."""
+def conv_bn(net, name, bottom, num_output, kernel, stride=1, pad=0, relu=True):
+    """Convolution without bias, BatchNorm and Scale in place, then ReLU in place."""
+    b = net.conv(name, bottom, num_output, kernel, stride=stride, pad=pad, bias=False)
+    net.bn_scale(f"{name}/bn", f"{name}/scale", b)
+    if relu:
+        net.relu(f"{name}/relu", b)
+    return b
+
+
+def inception_v1_module(net, name, bottom, c1, c3r, c3, c5r, c5, cp, batch_norm=False,
+                        **conv_args):
+    """GoogLeNet's Inception module: 1x1 | 1x1-3x3 | 1x1-5x5 | 3x3 max pool-1x1, concatenated.
+    Each convolution is followed by ReLU (bvlc names), or with batch_norm by BatchNorm, Scale
+    and ReLU (conv_bn)."""
     def conv_relu(suffix, b, width, kernel, pad=0):
+        if batch_norm:
+            return conv_bn(net, f"{name}/{suffix}", b, width, kernel, pad=pad)
         top = net.conv(f"{name}/{suffix}", b, width, kernel, pad=pad, **conv_args)
         net.relu(f"{name}/relu_{suffix}", top)
         return top
@@ -412,15 +426,6 @@ deploy.prototxt). The final 7x7 average pool is written as global_pooling (the s
     net.accuracy(b, name="loss3/top-1", top="loss3/top-1")
     net.loss(b, name="loss3/loss3", top="loss3/loss3", loss_weight=1)
     return net
-
-
-def conv_bn(net, name, bottom, num_output, kernel, stride=1, pad=0, relu=True):
-    """Convolution without bias, BatchNorm and Scale in place, then ReLU in place."""
-    b = net.conv(name, bottom, num_output, kernel, stride=stride, pad=pad, bias=False)
-    net.bn_scale(f"{name}/bn", f"{name}/scale", b)
-    if relu:
-        net.relu(f"{name}/relu", b)
-    return b
 
 
 def inception_v3():
@@ -592,7 +597,7 @@ and a 1x1 stride-2 projection shortcut (conv + BatchNorm + Scale). Input 3x32x32
             b = net.eltwise_sum(block, [shortcut, r])
             net.relu(f"{block}_relu", b)
     b = net.pool("pool", b, "AVE")
-    b = net.fc("fc", b, 10)
+    b = net.fc("fc", b, 10, msra())
     net.accuracy(b)
     net.loss(b)
     return net
@@ -613,20 +618,21 @@ def inception_small():
 A small GoogLeNet-style net for 32x32 images and 10 classes, sized to train on a CPU: a 3x3
 conv with 64 channels, a 3x3 stride-2 max pool, two Inception modules (1x1 | 1x1-3x3 |
 1x1-5x5 | 3x3 max pool-1x1, concatenated) on 16x16, a max pool, two more on 8x8, global
-average pooling and fc 10. No LRN, no BatchNorm, He (msra) initialization.
+average pooling and fc 10. As in Inception-v2/v3, every convolution is bias-free and followed
+by BatchNorm + Scale + ReLU (without them this net trains slowly and only at small learning
+rates). No LRN. Input 3x32x32.
 """)
     b = net.input(SMALL_BATCH, 3, 32)
-    b = net.conv("conv1/3x3", b, 64, 3, pad=1)
-    net.relu("conv1/relu_3x3", b)
+    b = conv_bn(net, "conv1/3x3", b, 64, 3, pad=1)
     b = net.pool("pool1/3x3_s2", b, "MAX", 3, 2)
     for module in INCEPTION_SMALL_MODULES:
         if isinstance(module, str):
             b = net.pool(module, b, "MAX", 3, 2)
         else:
             name, *widths = module
-            b = inception_v1_module(net, name, b, *widths)
+            b = inception_v1_module(net, name, b, *widths, batch_norm=True)
     b = net.pool("pool3/global", b, "AVE")
-    b = net.fc("classifier", b, 10)
+    b = net.fc("classifier", b, 10, msra())
     net.accuracy(b)
     net.loss(b)
     return net
