@@ -1,5 +1,7 @@
 """Whole networks: a finite-difference gradient check through a branching graph, training,
 determinism, save/load and the summary."""
+import os
+
 import numpy as np
 import pytest
 
@@ -67,7 +69,7 @@ def test_whole_network_gradient_check(branchy):
 
 
 def test_gradient_accumulates_over_consumers(branchy):
-    """'b' feeds fc_b's two consumers and 's' two: the program adds their gradients."""
+    """'b' feeds the Eltwise and the Concat, 's' the Concat and fc_side: each gets one add."""
     net = minigist.Net(branchy, dtype=np.float64)
     kinds = [step.kind for step in net.programs["train"].steps]
     assert kinds.count("accumulate") == 2
@@ -169,3 +171,15 @@ def test_summary_lists_layers_and_parameter_count(branchy):
     expected = (36 * 7 + 7) + (7 + 7) + (36 * 7 + 7) + (14 * 3 + 3) + (7 * 3 + 3)
     assert net.train_graph.param_count() == expected
     assert "fc_a" in text and "InnerProduct" in text and "6x7" in text
+
+
+@pytest.mark.parametrize("name", ["vgg_small", "resnet20", "inception_small"])
+def test_small_models_fit_a_fixed_batch(name):
+    """A few SGD steps on one fixed batch bring the loss down."""
+    path = os.path.join(os.path.dirname(__file__), "..", "models", name + ".prototxt")
+    net = minigist.Net(path, batch_size=8, seed=0, solver=minigist.SGD(lr=0.003, momentum=0.9))
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((8, 3, 32, 32)).astype(np.float32)
+    label = np.arange(8) % 10
+    losses = [net.train_step(data, label) for _ in range(12)]
+    assert losses[-1] < 0.6 * losses[0], losses
