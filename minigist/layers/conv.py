@@ -170,7 +170,11 @@ class Convolution(Layer):
         n = self.in_shape[0]
         if self.batch_chunk:
             return max(1, min(n, int(self.batch_chunk)))
-        per_sample = self._col_elems("backward") * np.dtype(self.dtype).itemsize
+        # a chunk holds each sample's columns and, for the weight gradient, its own dW
+        elems = 0 if self.pointwise else self._col_elems("backward")
+        if self.params[0].trained:
+            elems = max(elems, self.num_output * self.cols)
+        per_sample = elems * np.dtype(self.dtype).itemsize
         return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
 
     def _padded_hw(self):
