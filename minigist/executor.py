@@ -38,8 +38,8 @@ class GistStats:
         self.fallback_tensors = set()
         self._kept = {}
 
-    def record_density(self, tensor, nonzeros, size):
-        self.density[tensor] = max(self.density.get(tensor, 0.0), nonzeros / max(1, size))
+    def record_density(self, tensor, density):
+        self.density[tensor] = max(self.density.get(tensor, 0.0), float(density))
 
     def fallback(self, tensor, x):
         self.fallbacks += 1
@@ -47,8 +47,35 @@ class GistStats:
         self.fallback_tensors.add(tensor)
         self._kept[tensor] = x.copy()
 
-    def take_fallback(self, tensor):
-        return self._kept.pop(tensor, None)
+    def fallback_for(self, tensor):
+        """The FP32 copy kept because `tensor` did not fit its plan this iteration, or None."""
+        return self._kept.get(tensor)
+
+    def drop_fallback(self, tensor):
+        self._kept.pop(tensor, None)
+
+
+class StreamedStash:
+    """A stash encoded per sample, read by a backward step one batch slice at a time:
+    `reader[n0:n1]` decodes samples n0..n1-1 into the slice buffer and returns them."""
+
+    def __init__(self, xp, codec, enc, ws, buffer, stats, tensor):
+        self.xp, self.codec, self.enc, self.ws = xp, codec, enc, ws
+        self.buffer, self.stats, self.tensor = buffer, stats, tensor
+        self.chunk_samples = buffer.shape[0]
+        self.shape = (codec.batch,) + tuple(buffer.shape[1:])
+        self.dtype = buffer.dtype
+
+    def __getitem__(self, index):
+        start, stop, step = index.indices(self.shape[0])
+        if step != 1 or stop - start > self.chunk_samples:
+            raise IndexError(f"{self.tensor}: read at most {self.chunk_samples} consecutive samples at a time")
+        kept = self.stats.fallback_for(self.tensor) if self.stats is not None else None
+        if kept is not None:
+            return kept[start:stop]
+        out = self.buffer[:stop - start]
+        self.codec.decode_slice(self.xp, self.enc, start, stop, out, self.ws)
+        return out
 
 
 def bind_step(step, arrays, xp, solver, stats=None):
@@ -61,6 +88,11 @@ def bind_step(step, arrays, xp, solver, stats=None):
         return lambda: layer.forward(xp, x, y, p, saved, ws)
     if step.kind == "backward":
         bound = [_arrays(arrays, args[role]) for role in ("x", "y", "gy", "gx", "p", "gp", "saved", "ws")]
+        for name, (codec, tensor, encoded, ws) in (step.streams or {}).items():
+            reader = StreamedStash(xp, codec, _arrays(arrays, encoded), _arrays(arrays, ws), arrays[name],
+                                   stats, tensor)
+            for role in (0, 1):     # x, y
+                bound[role] = [reader if n == name else a for n, a in zip(args[("x", "y")[role]], bound[role])]
         if step.variant == "mask":      # Gist: the ReLU's output arrives as its 1-bit mask, decoded
             mask, gy, gx = bound[1][0], bound[2][0], bound[3][0]
             return lambda: layer.backward_from_mask(xp, mask, gy, gx)
@@ -75,8 +107,9 @@ def bind_step(step, arrays, xp, solver, stats=None):
         tensor = step.note
 
         def encode():
-            if stats is not None and hasattr(codec, "capacity"):
-                stats.record_density(tensor, int(xp.count_nonzero(x)), x.size)
+            stats.drop_fallback(tensor)
+            if codec.data_dependent:          # record what its capacity had to hold
+                stats.record_density(tensor, codec.density(xp, x))
             if codec.encode(xp, x, enc, ws) is False:
                 stats.fallback(tensor, x)
         return encode
@@ -85,7 +118,7 @@ def bind_step(step, arrays, xp, solver, stats=None):
         out, tensor = arrays[args["out"]], step.note
 
         def decode():
-            kept = stats.take_fallback(tensor) if stats is not None else None
+            kept = stats.fallback_for(tensor)
             if kept is not None:
                 xp.copyto(out, kept)
             else:

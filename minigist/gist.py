@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .codecs import GistConfig, registered_codec
+from .codecs import Codec, GistConfig, registered_codec
+from .codecs.segmented import PerSample
 from .program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step
 
 # layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU
@@ -88,6 +89,7 @@ class _Builder:
         self.identity_relus = set()   # backward step indices turned into copies
         self.mask_relus = {}          # backward step index -> stashed buffer read as a mask
         self.sparse_memo = {}
+        self.streams = {}             # backward step index -> {decoded buffer: stream details}
 
     # ---- choosing ---------------------------------------------------------------------
     def tensor_name(self, buffer):
@@ -208,21 +210,29 @@ class _Builder:
                 continue
             uses = [i for i, s in enumerate(self.steps) if i < self.first_backward and name in set(s.buffer_names())]
             readers = self.readers[name]
+            chunk = self.stream_chunk(name, codec)
+            if chunk:
+                codec = self.per_sample(buffer, codec)
             encoded = {}
             for part, decl in codec.encoded(buffer.shape).items():
                 enc_name = f"enc:{tensor}.{part}"
                 buffers[enc_name] = Buffer(enc_name, tuple(decl.shape), np.dtype(decl.dtype), ENCODED, buffer.layer)
                 encoded[part] = enc_name
             decoded = f"dec:{tensor}"
-            buffers[decoded] = Buffer(decoded, buffer.shape, np.dtype(codec.decoded_dtype(buffer.dtype)),
+            decoded_shape = (chunk,) + tuple(buffer.shape[1:]) if chunk else buffer.shape
+            buffers[decoded] = Buffer(decoded, decoded_shape, np.dtype(codec.decoded_dtype(buffer.dtype)),
                                       STASH, buffer.layer)
             encode_ws = _workspace(buffers, codec.workspace(buffer.shape, "encode"), f"{tensor}.encode", buffer.layer)
             decode_ws = _workspace(buffers, codec.workspace(buffer.shape, "decode"), f"{tensor}.decode", buffer.layer)
             inputs = [name] + list(extra)
             encodes.setdefault(min(uses), []).append(Step(
                 "encode", None, {"x": inputs, "enc": encoded, "ws": encode_ws}, codec=codec, note=tensor))
-            decodes.setdefault(min(readers), []).append(Step(
-                "decode", None, {"enc": encoded, "out": decoded, "ws": decode_ws}, codec=codec, note=tensor))
+            if chunk:   # no decode step: each reader decodes the slices it needs, in turn
+                for index in readers:
+                    self.streams.setdefault(index, {})[decoded] = (codec, tensor, encoded, decode_ws)
+            else:
+                decodes.setdefault(min(readers), []).append(Step(
+                    "decode", None, {"enc": encoded, "out": decoded, "ws": decode_ws}, codec=codec, note=tensor))
             for index in readers:
                 renames.setdefault(index, {})[name] = decoded
             encodings[name] = Encoding(name, codec, codec.name, list(encoded.values()), decoded)
@@ -251,10 +261,53 @@ class _Builder:
         elif index in self.mask_relus and self.mask_relus[index] in renames:
             variant = "mask"
             args["ws"] = {}
-        return Step(step.kind, step.layer, args, variant=variant)
+        streams = self.streams.get(index)
+        if streams:
+            # the encoded parts and decode workspace are read by this step: part of its lifetime
+            args["stream"] = {f"{tensor}.{role}.{part}": buffer for _, tensor, encoded, ws in streams.values()
+                              for role, names in (("enc", encoded), ("ws", ws)) for part, buffer in names.items()}
+            streams = {name: (codec, tensor, encoded, ws) for name, (codec, tensor, encoded, ws) in streams.items()}
+        return Step(step.kind, step.layer, args, variant=variant, streams=streams)
+
+    # ---- streaming ----------------------------------------------------------------------
+    def stream_chunk(self, name, codec):
+        """Samples per slice when every backward reader of `name` can read it slice by slice
+        (a convolution's input, a ReLU's output), for a codec of values (SSDC, DPR); else 0."""
+        if not isinstance(codec, (self.SSDC, self.DPR)) or not name.startswith("blob:"):
+            return 0
+        if self.program.buffers[name].shape[0] != self.graph.batch_size:
+            return 0
+        chunk = 1
+        for index in self.readers[name]:
+            step = self.steps[index]
+            layer = step.layer
+            if layer.type == "Convolution" and not layer.pointwise and step.args["x"][0] == name \
+                    and name not in step.args["x"][1:]:
+                chunk = max(chunk, layer.stream_chunk())
+            elif layer.type == "ReLU" and step.args["y"][0] == name and index not in self.mask_relus \
+                    and index not in self.identity_relus:
+                continue
+            else:
+                return 0
+        return chunk
+
+    def per_sample(self, buffer, codec):
+        """The per-sample form of a value codec (SSDC capacity divided over the samples)."""
+        batch = buffer.shape[0]
+        if isinstance(codec, self.SSDC):
+            sample = int(np.prod(buffer.shape)) // batch
+            if self.calibrating:
+                capacity = sample
+            else:
+                density = self.config.ssdc_density.get(self.tensor_name(buffer), 1.0)
+                capacity = max(1, min(sample, math.ceil(density * sample)))
+            inner = self.SSDC(capacity, codec.value_format)
+        else:
+            inner = codec
+        return PerSample(inner, batch)
 
 
-class FusedReluPool:
+class FusedReluPool(Codec):
     """One code per MaxPool output for a ReLU whose only consumers are max-pools: the argmax
     window position where the pool output is > 0, else the reserved code K (= kh*kw), which
     matches no window position, so the pool's backward passes no gradient there: exactly the

@@ -54,6 +54,7 @@ class Step:
     codec: object = None      # encode / decode steps: the codec they run
     variant: str = None       # backward steps: "mask" or "identity" when Gist changed the stash
     note: str = ""            # encode / decode steps: the tensor they work on
+    streams: dict = None      # backward steps: {decoded slice buffer: (codec, tensor, enc, ws)}
 
     def buffer_names(self, roles=None):
         for role, value in self.args.items():

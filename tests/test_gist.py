@@ -164,3 +164,18 @@ def test_plan_only_footprint_with_densities():
                                          ssdc_density={"conv1_1@relu1_1": 0.5})
     assert report["footprint_bytes"] < none
     assert report["gist"]["mode"] == "all"
+
+
+def test_conv_inputs_are_decoded_a_slice_at_a_time():
+    """An SSDC-encoded ReLU output read by a convolution and its ReLU is encoded per sample and
+    decoded one backward chunk at a time: no decode step, and no full-size FP32 copy."""
+    net = minigist.Net(model("vgg_small"), batch_size=8, gist="lossless")
+    net.calibrate(batches(2, batch_size=8))
+    program = net.programs["train"]
+    tensor = "conv1_1@relu1_1"
+    decoded = program.buffers[f"dec:{tensor}"]
+    conv = net.train_graph.node_of("conv1_2").layer
+    assert decoded.shape == (conv.stream_chunk(), 64, 32, 32) and decoded.shape[0] < 8
+    assert not [s for s in program.steps if s.kind == "decode" and s.note == tensor]
+    readers = [s for s in program.steps if s.streams and f"dec:{tensor}" in s.streams]
+    assert [s.layer.name for s in readers] == ["conv1_2", "relu1_1"]

@@ -18,6 +18,8 @@ decodes through `xp` into the arrays it is handed:
 class Codec:
     name = None
     lossless = True
+    data_dependent = False     # True: the encoded size depends on the data (SSDC); such a
+                               # codec also has density(xp, x), what its capacity must hold
 
     def encoded(self, shape):
         raise NotImplementedError

@@ -113,6 +113,12 @@ class SSDC(Codec):
         sizes = SSDC.nbytes_for(n_elements, nnz, 0)      # same value bytes in both
         return "csr" if sizes["csr"] < sizes["bitmap"] else "bitmap"
 
+    data_dependent = True
+
+    def density(self, xp, x):
+        """Fraction of x that encode counts as non-zero (what the capacity must hold)."""
+        return self.count_nonzero(xp, x) / max(1, x.size)
+
     @staticmethod
     def count_nonzero(xp, x):
         """Non-zeros as SSDC counts them (non-zero float32 bit patterns), as a Python int."""

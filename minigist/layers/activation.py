@@ -39,9 +39,13 @@ class ReLU(Layer):
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
             return
-        mask = ws["mask"]
-        xp.greater(y[0], 0, out=mask)
-        self.backward_from_mask(xp, mask, gy[0], gx[0])
+        mask, y0 = ws["mask"], y[0]
+        # y may be a stash read slice by slice (Gist's per-sample codecs): go a slice at a time
+        chunk = getattr(y0, "chunk_samples", y0.shape[0])
+        for n0 in range(0, y0.shape[0], chunk):
+            part = slice(n0, n0 + chunk)
+            xp.greater(y0[part], 0, out=mask[part])
+            self.backward_from_mask(xp, mask[part], gy[0][part], gx[0][part])
 
     def backward_from_mask(self, xp, mask, gy, gx):
         """gx from the positive mask alone (the form Gist's Binarize codec stores)."""

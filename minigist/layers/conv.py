@@ -177,6 +177,11 @@ class Convolution(Layer):
         per_sample = elems * np.dtype(self.dtype).itemsize
         return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
 
+    def stream_chunk(self):
+        """Samples of x the backward reads at a time (x[0][n0:n0 + b]): a stash encoded per
+        sample can be decoded one such slice at a time (minigist.codecs.segmented)."""
+        return self._chunk()
+
     def _padded_hw(self):
         n, c, h, w = self.in_shape
         return h + 2 * self.pad[0], w + 2 * self.pad[1]

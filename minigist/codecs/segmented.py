@@ -1,0 +1,58 @@
+"""One codec per batch sample, so that a backward step can decode a stash slice by slice.
+
+`PerSample(inner, batch)` encodes each of the `batch` samples of a tensor (N, ...) with
+`inner` (sized for one sample) into its own part of the encoded buffers. `decode_slice`
+decodes samples [start, stop) alone: a convolution's backward then holds one chunk of
+decoded input at a time instead of the whole FP32 tensor.
+"""
+import numpy as np
+
+from ..layers.base import TensorDecl
+from .base import Codec
+
+
+class PerSample(Codec):
+    def __init__(self, inner, batch):
+        self.inner = inner
+        self.batch = int(batch)
+        self.name = inner.name
+        self.lossless = inner.lossless
+        self.data_dependent = inner.data_dependent
+
+    def _sample_shape(self, shape):
+        if shape[0] != self.batch:
+            raise ValueError(f"expected a batch of {self.batch}, got shape {tuple(shape)}")
+        return (1,) + tuple(shape[1:])
+
+    def encoded(self, shape):
+        parts = self.inner.encoded(self._sample_shape(shape))
+        return {part: TensorDecl((self.batch * int(np.prod(decl.shape)),), decl.dtype)
+                for part, decl in parts.items()}
+
+    def workspace(self, shape, phase):
+        return self.inner.workspace(self._sample_shape(shape), phase)
+
+    def decoded_dtype(self, dtype):
+        return self.inner.decoded_dtype(dtype)
+
+    def _parts(self, enc, index):
+        return {part: array.reshape(self.batch, -1)[index] for part, array in enc.items()}
+
+    def density(self, xp, x):
+        """The densest sample's fraction of non-zeros: what each sample's capacity must hold."""
+        return max(self.inner.density(xp, x[index:index + 1]) for index in range(self.batch))
+
+    def encode(self, xp, x, enc, ws):
+        fitted = True
+        for index in range(self.batch):
+            if self.inner.encode(xp, x[index:index + 1], self._parts(enc, index), ws) is False:
+                fitted = False
+        return fitted
+
+    def decode_slice(self, xp, enc, start, stop, out, ws):
+        """Samples [start, stop) into out[:stop - start]."""
+        for index in range(start, stop):
+            self.inner.decode(xp, self._parts(enc, index), out[index - start:index - start + 1], ws)
+
+    def decode(self, xp, enc, out, ws):
+        self.decode_slice(xp, enc, 0, self.batch, out, ws)
