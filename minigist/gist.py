@@ -114,7 +114,8 @@ class _Builder:
         density = self.config.ssdc_density.get(self.tensor_name(buffer))
         if density is None:
             return None
-        codec = self.SSDC(max(1, min(count, math.ceil(density * count))), value_format)
+        codec = self.SSDC(max(1, min(count, math.ceil(density * count))), value_format,
+                          formats=_ssdc_formats(density))
         # SSDC only where it beats what the tensor would cost otherwise
         otherwise = self.DPR(value_format).encoded_nbytes(buffer.shape) if self.dpr_applies(buffer) else buffer.nbytes
         return codec if codec.encoded_nbytes(buffer.shape) < otherwise else None
@@ -130,7 +131,8 @@ class _Builder:
         if name == "ssdc":
             density = self.config.ssdc_density.get(self.tensor_name(buffer), 1.0)
             count = int(np.prod(buffer.shape))
-            return self.SSDC(max(1, math.ceil(density * count)), self.config.dpr if self.config.lossy else "fp32")
+            return self.SSDC(max(1, math.ceil(density * count)), self.config.dpr if self.config.lossy else "fp32",
+                             formats=_ssdc_formats(density))
         if name in ("fp16", "fp10", "fp8-e4m3", "fp8-e5m2"):
             return self.DPR(name)
         raise ValueError(f"unknown encoding {name!r} in the Gist overrides")
@@ -296,12 +298,9 @@ class _Builder:
         batch = buffer.shape[0]
         if isinstance(codec, self.SSDC):
             sample = int(np.prod(buffer.shape)) // batch
-            if self.calibrating:
-                capacity = sample
-            else:
-                density = self.config.ssdc_density.get(self.tensor_name(buffer), 1.0)
-                capacity = max(1, min(sample, math.ceil(density * sample)))
-            inner = self.SSDC(capacity, codec.value_format)
+            density = 1.0 if self.calibrating else self.config.ssdc_density.get(self.tensor_name(buffer), 1.0)
+            capacity = max(1, min(sample, math.ceil(density * sample)))
+            inner = self.SSDC(capacity, codec.value_format, formats=_ssdc_formats(density))
         else:
             inner = codec
         return PerSample(inner, batch)
@@ -347,6 +346,13 @@ class FusedReluPool(Codec):
 
     def decode(self, xp, enc, out, ws):
         self.packed.decode(xp, enc, out, {k[7:]: v for k, v in ws.items() if k.startswith("packed.")})
+
+
+def _ssdc_formats(density):
+    """The SSDC formats worth reserving room for. Both formats share one buffer sized for the
+    larger; above about 11% non-zeros the bitmap is always the smaller (1 bit per element
+    against one index byte per non-zero), so a denser bound reserves for the bitmap alone."""
+    return ("bitmap",) if density > 0.1 else ("csr", "bitmap")
 
 
 def _names(value):
