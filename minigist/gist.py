@@ -25,7 +25,7 @@ import numpy as np
 
 from .codecs import Codec, GistConfig, registered_codec
 from .codecs.segmented import PerSample
-from .program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step
+from .program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in
 
 # layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU
 _SPARSITY_PRESERVING = {"ReLU", "Concat", "Dropout", "Flatten", "Split"}
@@ -83,7 +83,7 @@ class _Builder:
             if step.kind != "backward":
                 continue
             for role in ("x", "y", "saved"):
-                for name in _names(step.args.get(role)):
+                for name in names_in(step.args.get(role)):
                     self.readers.setdefault(name, []).append(index)
         self.choices = {}     # buffer -> (codec or None, extra inputs)
         self.identity_relus = set()   # backward step indices turned into copies
@@ -353,14 +353,6 @@ def _ssdc_formats(density):
     larger; above about 11% non-zeros the bitmap is always the smaller (1 bit per element
     against one index byte per non-zero), so a denser bound reserves for the bitmap alone."""
     return ("bitmap",) if density > 0.1 else ("csr", "bitmap")
-
-
-def _names(value):
-    if isinstance(value, dict):
-        return [v for v in value.values() if v is not None]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if v is not None]
-    return [value] if isinstance(value, str) else []
 
 
 def _rename(value, renames):

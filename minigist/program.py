@@ -44,6 +44,18 @@ class Buffer:
         return self.category in PERSISTENT_CATEGORIES
 
 
+def names_in(value):
+    """The buffer names in one step argument: a name, a list of names or a dict of names
+    (None entries are absent buffers; numbers are not names)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, str)]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, str)]
+    return []
+
+
 @dataclass
 class Step:
     """One step. `kind` is forward, backward, seed, zero, accumulate or update; `args` maps
@@ -58,14 +70,8 @@ class Step:
 
     def buffer_names(self, roles=None):
         for role, value in self.args.items():
-            if roles is not None and role not in roles:
-                continue
-            if isinstance(value, str):
-                yield value
-            elif isinstance(value, dict):
-                yield from (v for v in value.values() if v is not None)
-            elif isinstance(value, (list, tuple)):
-                yield from (v for v in value if v is not None)
+            if roles is None or role in roles:
+                yield from names_in(value)
 
     @property
     def label(self):

@@ -12,7 +12,7 @@ start of the arena in every mode; the plan covers the per-iteration rest.
 from dataclasses import dataclass
 
 from ..errors import MemoryBudgetError
-from ..program import INPUT
+from ..program import INPUT, names_in
 from . import align, plan_none
 from .planner import StaticPlanner
 from .pool import Pool
@@ -44,20 +44,12 @@ def inplace_pairs(program):
             continue
         source, target = buffers[sources[0]], buffers[targets[0]]
         other_reads = [name for role in ("x", "y", "gy", "saved", "p") if role in step.args
-                       for name in _names(step.args[role])]
+                       for name in names_in(step.args[role])]
         if (source.last_use == index and target.first_use == index and source.nbytes == target.nbytes
                 and source.category != INPUT and not source.persistent
                 and other_reads.count(source.name) == 1):
             pairs.append((source.name, target.name))
     return pairs
-
-
-def _names(value):
-    if isinstance(value, dict):
-        return [v for v in value.values() if v is not None]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if v is not None]
-    return [value] if isinstance(value, str) else []
 
 
 def storage_groups(program, inplace):
