@@ -13,7 +13,6 @@ error and exit status 2; so does a loss that becomes NaN or infinite (the last g
 is kept).
 """
 import argparse
-import inspect
 import json
 import math
 import os
@@ -47,7 +46,9 @@ sys.path.insert(0, HERE)
 
 import minigist  # noqa: E402  (after the path tweak, so a checkout runs without installing)
 from minigist import datasets  # noqa: E402
+from minigist.codecs import DPR_FORMATS, GIST_MODES, GistConfig  # noqa: E402
 from minigist.errors import MinigistError  # noqa: E402
+from minigist.gist import apply_gist  # noqa: E402
 from minigist.memory.plan import MODES  # noqa: E402
 from minigist.memory.report import format_report, write_json  # noqa: E402
 from minigist.net import plan_footprint, save_npz_atomic  # noqa: E402
@@ -55,19 +56,13 @@ from minigist.net import plan_footprint, save_npz_atomic  # noqa: E402
 MODELS_DIR = os.path.join(HERE, "models")
 DEFAULT_MODEL = "resnet20"
 DEFAULT_DATA = "mnist5k"
-DEFAULT_EPOCHS = 3
+DEFAULT_EPOCHS = 5
 DEFAULT_LR = 0.1
 DEFAULT_LR_STEP = 1.0
-DEFAULT_LR_GAMMA = 0.2
+DEFAULT_LR_GAMMA = 0.5
 CHECKPOINT_NAME = "checkpoint.npz"
 CHECKPOINT_FORMAT = 1
 
-# Gist is passed to Net only when this build's Net takes it
-_NET_PARAMS = inspect.signature(minigist.Net).parameters
-HAS_GIST = "gist" in _NET_PARAMS and "dpr" in _NET_PARAMS
-if HAS_GIST:
-    from minigist.codecs import DPR_FORMATS, GIST_MODES  # noqa: E402
-_PLAN_PARAMS = inspect.signature(plan_footprint).parameters
 
 
 # ---- flag parsing -------------------------------------------------------------------------
@@ -171,8 +166,10 @@ checkpoints: --checkpoint DIR writes DIR/{CHECKPOINT_NAME} at every epoch end (a
   the position in the run and its configuration, written to a temporary file, synced and
   renamed over the previous one, so a run killed at any moment leaves a readable checkpoint.
   --resume continues from it; the final weights are bitwise those of an uninterrupted run.
-defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32, {DEFAULT_EPOCHS} epochs, lr {DEFAULT_LR}
-  times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4.
+defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32 (the model file's), {DEFAULT_EPOCHS} epochs, lr
+  {DEFAULT_LR} times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4,
+  BatchNorm average 0.9, one BLAS thread, Gist lossless. Measured on a 2-core machine
+  (other jobs running): 123 s and 135 s, held-out accuracy 98.3% (97.7% with --seed 1 and 2).
 """
 
 
@@ -229,13 +226,12 @@ def make_parser():
                        help="memory allocation: none (no sharing, the reference), static (planned "
                             "before running, in place where legal; the default) or dynamic (a pool "
                             "allocates as it runs)")
-    if HAS_GIST:
-        group.add_argument("--gist", default="lossless", choices=list(GIST_MODES),
-                           help="Gist encodings of the tensors stashed for the backward pass: none, "
-                                "lossless (binarize ReLU/pool maps, sparse storage; exact training; the "
-                                "default), lossy (reduced precision, --dpr) or all")
-        group.add_argument("--dpr", default="fp16", choices=list(DPR_FORMATS),
-                           help="the reduced-precision format of --gist lossy/all (default fp16)")
+    group.add_argument("--gist", default="lossless", choices=list(GIST_MODES),
+                       help="Gist encodings of the tensors stashed for the backward pass: none, "
+                            "lossless (binarize ReLU/pool maps, sparse storage; exact training; the "
+                            "default), lossy (reduced precision, --dpr) or all")
+    group.add_argument("--dpr", default="fp16", choices=list(DPR_FORMATS),
+                       help="the reduced-precision format of --gist lossy/all (default fp16)")
     group.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                        help="fail before training if it needs more memory than SIZE (e.g. 2GiB, 512MB)")
     group.add_argument("--plan-only", action="store_true",
@@ -475,13 +471,7 @@ def restore_state(net, values, path):
         if tuple(value.shape) != tuple(targets[key].shape):
             raise MinigistError(f"--resume: {path}: '{key}' has shape {value.shape}, the net needs "
                                 f"{targets[key].shape}")
-    if hasattr(net, "_restore"):
-        net._restore(values)
-        return
-    live = dict(net.params())
-    for key, value in values.items():
-        target = live[key] if key in live else net.arrays[key]
-        target[...] = net.xp.asarray(value)
+    net.restore(values)
 
 
 # the configuration a checkpoint records; a resumed run takes it for the flags it does not give
@@ -536,15 +526,13 @@ def evaluate(net, data, split, batch_size, names, limit=None):
 
 # ---- reports, plots ------------------------------------------------------------------------
 def gist_kwargs(args):
-    return {"gist": args.gist, "dpr": args.dpr} if HAS_GIST else {}
+    return {"gist": args.gist, "dpr": args.dpr}
 
 
 def plan_for(path, args, alloc=None, gist=None):
     """The footprint report from shapes alone."""
-    kwargs = {}
-    if HAS_GIST and "gist" in _PLAN_PARAMS:
-        kwargs = {"gist": args.gist if gist is None else gist, "dpr": args.dpr}
-    return plan_footprint(path, args.batch_size, args.input_size, alloc or args.alloc, **kwargs)
+    return plan_footprint(path, args.batch_size, args.input_size, alloc or args.alloc,
+                          gist=args.gist if gist is None else gist, dpr=args.dpr)
 
 
 def shapes_only_plan(path, args):
@@ -552,10 +540,7 @@ def shapes_only_plan(path, args):
     from minigist.memory.plan import MemoryPlan
     graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
     program = minigist.build_program(graph, train=True)
-    if HAS_GIST:
-        from minigist.codecs import GistConfig
-        from minigist.gist import apply_gist
-        program = apply_gist(program, GistConfig(args.gist, args.dpr))
+    program = apply_gist(program, GistConfig(args.gist, args.dpr))
     return MemoryPlan(program, args.alloc)
 
 
@@ -578,18 +563,14 @@ def write_visuals(args, plan, report):
 def footprint_lines(path, args, report):
     """The footprint and what it would be without Gist / without any sharing."""
     lines = [f"footprint: {report['footprint_bytes']:,} B ({_mib(report['footprint_bytes'])}), "
-             f"alloc {report['alloc']}" + (f", gist {args.gist}" + (f" ({args.dpr})" if args.gist in ("lossy", "all")
-                                                                      else "") if HAS_GIST else "")]
-    if HAS_GIST:
-        if args.gist != "none":
-            base = plan_for(path, args, gist="none")["footprint_bytes"]
-            saved = base - report["footprint_bytes"]
-            lines.append(f"without Gist:  {base:,} B ({_mib(base)}), alloc {report['alloc']}; Gist saves "
-                         f"{saved:,} B ({100.0 * saved / base:.1f}%)")
-        else:
-            lines.append("without Gist:  the same (this run uses --gist none)")
+             f"alloc {report['alloc']}, gist {args.gist}" + (f" ({args.dpr})" if args.gist in ("lossy", "all") else "")]
+    if args.gist != "none":
+        base = plan_for(path, args, gist="none")["footprint_bytes"]
+        saved = base - report["footprint_bytes"]
+        lines.append(f"without Gist:  {base:,} B ({_mib(base)}), alloc {report['alloc']}; Gist saves "
+                     f"{saved:,} B ({100.0 * saved / base:.1f}%)")
     else:
-        lines.append("without Gist:  the same (this minigist build has no Gist encodings yet)")
+        lines.append("without Gist:  the same (this run uses --gist none)")
     reference = plan_for(path, args, alloc="none", gist="none")["footprint_bytes"]
     lines.append(f"no sharing:    {reference:,} B ({_mib(reference)}), alloc none, no Gist (the reference "
                  f"a framework without a planner would need)")
@@ -629,7 +610,12 @@ def run(args, given):
         return 0
 
     # the data first (from the graph's shapes), so that bad data fails before memory is allocated
-    graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
+    try:
+        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
+    except MinigistError as exc:
+        if args.input_size is None:
+            raise
+        raise MinigistError(f"--input-size {args.input_size}: {args.model} cannot take it: {exc}") from None
     classes = _class_count(graph, args.model)
     data = datasets.load_dataset(args.data, tuple(graph.input_shape), classes, holdout=args.holdout,
                                  seed=args.seed)
@@ -663,7 +649,7 @@ def run(args, given):
             raise MinigistError(f"--resume: the data differ from the checkpoint's ({args.data}: "
                                 f"{meta.get('data', {}).get('train')} training images then, {len(data.train)} now)")
     # Gist's sparse encodings plan their size from a few measured batches (before any state is restored)
-    if HAS_GIST and hasattr(net, "calibrate") and args.gist in ("lossless", "all"):
+    if args.gist in ("lossless", "all"):
         calib_rng = np.random.default_rng(args.seed + 7919)
         picks = [data.epoch_batch(calib_rng.permutation(len(data.train)), 0, batch) for _ in range(3)]
         net.calibrate([data.train_batch(p, calib_rng) for p in picks])
@@ -683,7 +669,7 @@ def run(args, given):
     config.update(epochs=args.epochs, iters=args.iters, alloc=args.alloc, device=args.device)
     print(f"model {args.model}: {graph.param_count():,} parameters, batch {(batch,) + tuple(graph.input_shape)}, "
           f"{classes} classes, device {args.device}, footprint {_mib(report['footprint_bytes'])} "
-          f"({args.alloc}" + (f", gist {args.gist}" if HAS_GIST else "") + ")")
+          f"({args.alloc}, gist {args.gist})")
     schedule = f" x{args.lr_gamma:g} every {args.lr_step:g} epochs" if args.lr_step else ""
     print(f"data {data.describe()}; crop pad {args.crop_pad}, flip {args.flip}; {total} iterations "
           f"({ipe} per epoch), lr {args.lr:g}{schedule}")

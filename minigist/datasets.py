@@ -52,13 +52,15 @@ class Dataset:
         self.class_names = list(class_names)
         self.flip_default = flip_default            # horizontal flips make sense for this data
         self.crop_pad_default = crop_pad_default    # random-crop padding, in pixels
-        images = train.images.astype(np.float64)
-        channels = images.shape[1]
-        self.mean = images.transpose(1, 0, 2, 3).reshape(channels, -1).mean(axis=1) / 255.0
-        std = images.transpose(1, 0, 2, 3).reshape(channels, -1).std(axis=1) / 255.0
-        self.std = np.where(std > 1e-6, std, 1.0)
-        self.mean = self.mean.astype(np.float32)
-        self.std = self.std.astype(np.float32)
+        channels = train.images.shape[1]
+        mean, std = np.zeros(channels), np.ones(channels)
+        if len(train):
+            for c in range(channels):     # one channel at a time: no float copy of the whole split
+                plane = train.images[:, c]
+                mean[c] = plane.mean(dtype=np.float64) / 255.0
+                std[c] = plane.std(dtype=np.float64) / 255.0
+        self.mean = mean.astype(np.float32)
+        self.std = np.where(std > 1e-6, std, 1.0).astype(np.float32)
 
     @property
     def classes(self):

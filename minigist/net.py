@@ -86,7 +86,7 @@ class Net:
         self.gist.ssdc_density = {name: min(1.0, density * (1.0 + margin)) for name, density in measured.items()}
         self.stats = GistStats()
         self._build(calibrating=False)
-        self._restore(keep)
+        self.restore(keep)
         return measured
 
     def _allocate(self, alloc, memory_budget):
@@ -275,7 +275,9 @@ class Net:
                     targets[f"momentum:{layer.name}.{decl.name}"] = self.arrays[name]
         return targets
 
-    def _restore(self, values):
+    def restore(self, values):
+        """Write {key: array} as `state()` gives it (weights, running statistics, momentum)
+        back into the net."""
         targets = self._state_targets()
         for key, value in values.items():
             targets[key][...] = self.xp.asarray(value)

@@ -127,8 +127,19 @@ def series_label(key):
     return f"stash: {encoding}"
 
 
+# the encodings of one category get distinct hues of the category's family
+SHADES = {
+    "encoded": [(192, 0, 0), (255, 105, 180), (110, 0, 40), (250, 150, 110), (150, 75, 20), (200, 0, 200)],
+    "stash": [(237, 125, 49), (150, 90, 40), (250, 200, 120), (190, 80, 0)],
+}
+
+
 def series_colour(key, index_in_category):
     base = COLOURS.get(key[0], (90, 90, 90))
+    if key[0] in SHADES:
+        shades = SHADES[key[0]]
+        if index_in_category < len(shades):
+            return shades[index_in_category]
     if index_in_category == 0:
         return base
     # lighter / darker shades for the other encodings of the same category
@@ -264,16 +275,21 @@ def plot_timeline(plan, report, path, width=1400, height=760):
     yf = y_of(footprint)
     for x in range(left, left + pw, 10):
         draw.line([(x, yf), (min(x + 6, left + pw), yf)], fill=(200, 0, 0), width=2)
-    draw.text((left + pw - 4, yf - 4), f"footprint ({report.get('alloc', plan.mode) if report else plan.mode}) "
-              f"{_human(footprint)}", fill=(200, 0, 0), font=font, anchor="rb")
+    # the peak's label runs away from the middle; the footprint's sits at the other end
+    xp_ = x_of(peak_step + 0.5)
+    peak_right = xp_ < left + pw * 0.6
+    text = f"footprint ({report.get('alloc', plan.mode) if report else plan.mode}) {_human(footprint)}"
+    if peak_right:
+        draw.text((left + 60, yf - 4), text, fill=(200, 0, 0), font=font, anchor="lb")
+    else:
+        draw.text((left + pw - 4, yf - 4), text, fill=(200, 0, 0), font=font, anchor="rb")
     if steps:
-        xp_, yp = x_of(peak_step + 0.5), y_of(peak)
+        yp = y_of(peak)
         draw.polygon([(xp_, yp - 2), (xp_ - 7, yp - 14), (xp_ + 7, yp - 14)], fill=(0, 0, 0))
         label = program.steps[peak_step].label if program.steps else ""
         text = f"peak {_human(peak)} at step {peak_step} ({label})"
-        anchor = "lb" if xp_ < left + pw * 0.6 else "rb"
-        draw.text((xp_ + (10 if anchor == "lb" else -10), yp - 16), text, fill=(0, 0, 0), font=font,
-                  anchor=anchor)
+        anchor = "lb" if peak_right else "rb"
+        draw.text((xp_ + (10 if peak_right else -10), yp - 16), text, fill=(0, 0, 0), font=font, anchor=anchor)
 
     # title
     model = (report or {}).get("model", "") or "model"

@@ -1,0 +1,362 @@
+"""train.py end to end: data loading, exact evaluation, checkpoints and bitwise resume, the
+memory pictures, and one-line errors. Kept small: tiny models, tiny images, a few iterations."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import minigist
+from minigist import datasets
+from minigist.errors import MinigistError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "train.py")
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+
+# a tiny net with every kind of state a checkpoint must carry: BatchNorm running sums,
+# momentum, and a Dropout that draws from the net's random generator
+TINY = """
+name: "tiny"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 3 dim: 8 dim: 8 } shape { dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "scale" type: "Scale" bottom: "conv" top: "conv" scale_param { bias_term: true } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "drop" type: "Dropout" bottom: "pool" top: "pool" dropout_param { dropout_ratio: 0.3 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "fc" bottom: "label" top: "acc" include { phase: TEST } }
+"""
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, TRAIN, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.prototxt"
+    path.write_text(TINY)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """3 classes of real PNG and JPEG files: RGB and grayscale, different sizes."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    sizes = [(12, 9), (20, 31), (8, 8), (40, 16)]
+    for label, name in enumerate(["bird", "cat", "dog"]):
+        (root / name).mkdir()
+        for i, (w, h) in enumerate(sizes):
+            base = np.zeros((h, w, 3), dtype=np.uint8)
+            base[..., label] = 200
+            pixels = np.clip(base + rng.integers(0, 40, size=(h, w, 3)), 0, 255).astype(np.uint8)
+            if i % 2:
+                Image.fromarray(pixels).convert("L").save(root / name / f"{i}.jpg", quality=90)
+            else:
+                Image.fromarray(pixels).save(root / name / f"{i}.png")
+    (root / "cat" / "notes.txt").write_text("not an image: ignored")
+    return str(root)
+
+
+def one_line_error(result, *words):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+# ---- data ---------------------------------------------------------------------------------
+def test_folder_loading_png_jpeg_gray_rgb(folder):
+    data = datasets.load_dataset(folder, (3, 10, 10), classes=10)
+    assert data.class_names == ["bird", "cat", "dog"]
+    assert len(data.train) + len(data.heldout) == 12
+    assert len(data.heldout) == 3 and sorted(data.heldout.labels) == [0, 1, 2]   # stratified
+    assert data.train.images.shape[1:] == (3, 10, 10) and data.train.images.dtype == np.uint8
+    assert data.flip_default and data.crop_pad_default == 1
+    everything = np.concatenate([data.train.images, data.heldout.images])
+    labels = np.concatenate([data.train.labels, data.heldout.labels])
+    gray = [np.array_equal(img[0], img[1]) and np.array_equal(img[1], img[2]) for img in everything]
+    assert 0 < sum(gray) < len(gray)            # JPEGs were gray: three equal channels
+    # the dominant channel is the class colour for the RGB images
+    for img, label in zip(everything, labels):
+        if not np.array_equal(img[0], img[1]):
+            assert img.reshape(3, -1).mean(axis=1).argmax() == label
+    assert data.mean.shape == (3,) and np.all(data.std > 0)
+    images, batch_labels = data.train_batch(np.arange(4), np.random.default_rng(0), crop_pad=1, flip=True)
+    assert images.shape == (4, 3, 10, 10) and images.dtype == np.float32
+    one = datasets.load_dataset(folder, (1, 6, 6), classes=3)
+    assert one.train.images.shape[1:] == (1, 6, 6)
+
+
+def test_mnist5k_split_and_padding():
+    data = datasets.load_dataset("mnist5k", (3, 32, 32), classes=10, seed=5)
+    assert (len(data.train), len(data.heldout)) == (4000, 1000)
+    counts = np.bincount(data.heldout.labels, minlength=10)
+    total = counts + np.bincount(data.train.labels, minlength=10)
+    assert np.all(np.abs(counts - total * 0.2) <= 0.5)            # stratified
+    assert np.array_equal(data.train.images[:, 0], data.train.images[:, 2])
+    assert not data.train.images[:, :, :2].any() and not data.train.images[:, :, -2:].any()  # zero padding
+    assert not data.flip_default
+    again = datasets.load_dataset("mnist5k", (1, 20, 20), classes=10, seed=9)     # resized, same split
+    assert np.array_equal(again.heldout.labels, data.heldout.labels)
+    assert again.train.images.shape[1:] == (1, 20, 20)
+
+
+def test_eval_pads_the_last_batch_and_counts_only_real_samples(tiny, folder):
+    data = datasets.load_dataset(folder, (3, 8, 8), classes=3, holdout=0.5)
+    assert len(data.heldout) % 4 != 0
+    net4 = minigist.Net(tiny, seed=3)
+    net1 = minigist.Net(tiny, batch_size=1, seed=3)
+    names = train._output_names(net4)
+    padded = train.evaluate(net4, data, data.heldout, 4, names)
+    single = train.evaluate(net1, data, data.heldout, 1, names)
+    assert padded["samples"] == single["samples"] == len(data.heldout)
+    assert padded["correct"] == single["correct"]
+    assert padded["loss"] == pytest.approx(single["loss"], rel=1e-4)
+
+
+# ---- end to end ---------------------------------------------------------------------------
+def test_help_explains_every_flag():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for flag in ("--model", "--data", "--input-size", "--batch-size", "--epochs", "--iters", "--lr",
+                 "--momentum", "--weight-decay", "--lr-step", "--lr-gamma", "--alloc", "--device", "--seed",
+                 "--checkpoint", "--resume", "--eval-every", "--plan-only", "--report-json", "--memory-budget",
+                 "--log", "--plot", "--trace", "--summary", "--flip", "--holdout"):
+        assert flag in result.stdout, flag
+    assert "4,000 training / 1,000 held-out" in result.stdout
+    assert "--gist" in result.stdout and "--dpr" in result.stdout
+
+
+def test_folder_run_with_log_plot_trace_report(tiny, folder, tmp_path):
+    log, plot, trace, report = (tmp_path / n for n in ("log.jsonl", "mem.png", "mem.json", "report.json"))
+    result = run_cli("--model", tiny, "--data", folder, "--iters", 4, "--log", log, "--plot", plot,
+                     "--trace", trace, "--report-json", report, "--train-eval-size", 4)
+    assert result.returncode == 0, result.stderr
+    assert "held-out accuracy" in result.stdout and "footprint" in result.stdout
+    assert "without Gist" in result.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [r["event"] for r in records]
+    assert events[0] == "start" and events[-1] == "end" and events.count("iter") == 4
+    epochs = [r for r in records if r["event"] == "epoch"]
+    assert epochs and {"loss", "heldout_accuracy", "train_accuracy", "footprint_bytes"} <= set(epochs[-1])
+    with Image.open(plot) as image:
+        image.verify()
+    with Image.open(plot) as image:
+        assert image.format == "PNG" and image.size[0] > 600
+    stored = json.loads(report.read_text())
+    assert stored["footprint_bytes"] > 0 and stored["training"]["iterations"] == 4
+    check_trace(json.loads(trace.read_text()), stored)
+
+
+def check_trace(trace, report):
+    assert isinstance(trace["traceEvents"], list)
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == report["buffers"]
+    assert len({e["name"] for e in complete}) == len(complete)
+    for event in complete:
+        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= set(event)
+        assert event["dur"] >= 1 and 0 <= event["ts"] < report["steps"]
+        assert event["args"]["bytes"] > 0 and event["args"]["offset"] is not None
+    names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert {e["args"]["name"].split(" (")[0] for e in names} <= set(minigist.program.CATEGORIES)
+    # complete events on one thread nest or are disjoint
+    by_thread = {}
+    for event in complete:
+        by_thread.setdefault(event["tid"], []).append((event["ts"], event["ts"] + event["dur"]))
+    for spans in by_thread.values():
+        open_ends = []
+        for start, stop in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            assert not open_ends or stop <= open_ends[-1]
+            open_ends.append(stop)
+
+
+def test_plan_only_plot_and_trace(tmp_path):
+    plot, trace = tmp_path / "p.png", tmp_path / "t.json"
+    result = run_cli("--plan-only", "--model", "inception_small", "--batch-size", 2, "--plot", plot, "--trace", trace)
+    assert result.returncode == 0, result.stderr
+    with Image.open(plot) as image:
+        assert image.format == "PNG"
+    trace_data = json.loads(trace.read_text())
+    report = train.plan_for(train.resolve_model("inception_small"),
+                            make_args(batch_size=2, input_size=None, alloc="static"))
+    check_trace(trace_data, report)
+    counters = [e for e in trace_data["traceEvents"] if e["ph"] == "C"]
+    assert max(sum(e["args"].values()) for e in counters) == report["live_peak_bytes"]
+
+
+def make_args(**values):
+    args = train.make_parser().parse_args([])
+    for key, value in values.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("model", ["vgg_small", "resnet20", "inception_small"])
+def test_small_models_train_through_train_py(model, folder):
+    result = run_cli("--model", model, "--data", folder, "--iters", 2, "--batch-size", 2, "--input-size", 16,
+                     "--train-eval-size", 0, "--lr", 0.01)
+    assert result.returncode == 0, result.stderr
+    assert "epoch 1/1 (partial)" in result.stdout and "held-out acc" in result.stdout
+
+
+def test_synthetic_data_and_eval_every(tiny):
+    result = run_cli("--model", tiny, "--data", "synthetic", "--epochs", 1, "--holdout", 0.05,
+                     "--train-eval-size", 8, "--eval-every", 0)
+    assert result.returncode == 0, result.stderr
+    assert "epoch 1/1 " in result.stdout
+
+
+# ---- checkpoints --------------------------------------------------------------------------
+def final_weights(folder):
+    with np.load(os.path.join(folder, train.CHECKPOINT_NAME), allow_pickle=False) as stored:
+        return {k: stored[k] for k in stored.files if not k.startswith("__")}
+
+
+def test_resume_is_bitwise_identical(tiny, folder, tmp_path):
+    common = ["--model", tiny, "--data", folder, "--train-eval-size", 0, "--lr-step", 1, "--lr-gamma", 0.5]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert run_cli(*common, "--iters", 7, "--checkpoint", whole).returncode == 0
+    # stop mid-epoch (9 training images, batch 4: 3 iterations per epoch), then at an epoch end
+    first = run_cli(*common, "--iters", 4, "--checkpoint", part)
+    assert first.returncode == 0, first.stderr
+    second = run_cli("--model", tiny, "--data", folder, "--checkpoint", part, "--resume", "--iters", 6)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout
+    third = run_cli("--checkpoint", part, "--resume", "--iters", 7, "--model", tiny)
+    assert third.returncode == 0, third.stderr
+    a, b = final_weights(whole), final_weights(part)
+    assert a.keys() == b.keys() and any(k.startswith("momentum:") for k in a) and "bn.mean" in a
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+    mismatch = run_cli("--checkpoint", part, "--resume", "--lr", 0.5)
+    one_line_error(mismatch, "--lr")
+
+
+def test_killed_run_leaves_a_readable_checkpoint_and_resumes_exactly(tiny, tmp_path):
+    common = ["--model", tiny, "--data", "synthetic", "--holdout", 0.02, "--train-eval-size", 0,
+              "--checkpoint-every", 1, "--eval-every", 0]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert run_cli(*common, "--iters", 60, "--checkpoint", whole).returncode == 0
+    process = subprocess.Popen([sys.executable, TRAIN, *map(str, [*common, "--iters", 60, "--checkpoint", part])],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.time() + 60
+    while not (part / train.CHECKPOINT_NAME).exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    meta, _, _ = train.read_checkpoint(str(part))          # readable wherever the kill landed
+    assert meta["iteration"] >= 1
+    resumed = run_cli("--checkpoint", part, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert not [name for name in os.listdir(part) if name.startswith(".tmp-")]
+    a, b = final_weights(whole), final_weights(part)
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny, tmp_path):
+    # the learning rate grows a million-fold every 2 iterations until the loss blows up
+    result = run_cli("--model", tiny, "--data", "synthetic", "--holdout", 0.02, "--lr", 0.01, "--lr-step", 0.01,
+                     "--lr-gamma", 1e6, "--iters", 50, "--checkpoint", tmp_path, "--checkpoint-every", 1,
+                     "--train-eval-size", 0)
+    line = one_line_error(result, "became", "--lr", "checkpoint")
+    meta, _, values = train.read_checkpoint(str(tmp_path))
+    assert meta["iteration"] >= 2 and f"iteration {meta['iteration']})" in line
+    assert all(np.all(np.isfinite(v)) for v in values.values())
+
+
+# ---- bad input ----------------------------------------------------------------------------
+def test_unknown_model_and_flag_values():
+    one_line_error(run_cli("--model", "nosuchnet"), "nosuchnet", "bundled")
+    one_line_error(run_cli("--alloc", "sometimes"), "--alloc")
+    one_line_error(run_cli("--batch-size", "0"), "--batch-size")
+    one_line_error(run_cli("--flip", "maybe"), "--flip")
+    one_line_error(run_cli("--epochs", 2, "--iters", 3), "--iters")
+    one_line_error(run_cli("--resume"), "--checkpoint")
+
+
+def test_data_folder_errors(tmp_path, tiny):
+    one_line_error(run_cli("--model", tiny, "--data", tmp_path / "missing"), "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one_line_error(run_cli("--model", tiny, "--data", empty), "empty")
+    uneven = tmp_path / "uneven"
+    (uneven / "a").mkdir(parents=True)
+    (uneven / "b").mkdir()
+    Image.new("RGB", (8, 8)).save(uneven / "a" / "x.png")
+    (uneven / "b" / "readme.txt").write_text("no images here")
+    one_line_error(run_cli("--model", tiny, "--data", uneven), str(uneven / "b"), "no images")
+    broken = tmp_path / "broken"
+    (broken / "a").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(broken / "a" / "good.png")
+    (broken / "a" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg")
+    one_line_error(run_cli("--model", tiny, "--data", broken), "bad.jpg")
+    many = tmp_path / "many"
+    for i in range(4):
+        (many / f"c{i}").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(many / f"c{i}" / "x.png")
+    one_line_error(run_cli("--model", tiny, "--data", many), "4 class folders", "3 classes")
+
+
+def test_input_size_and_budget_errors():
+    one_line_error(run_cli("--model", "inception_v3", "--input-size", 32, "--iters", 1), "--input-size 32", "inception_v3")
+    one_line_error(run_cli("--iters", 1, "--memory-budget", "1MB"), "--memory-budget")
+    one_line_error(run_cli("--plan-only", "--memory-budget", "1MB"), "--memory-budget")
+
+
+def test_dataset_errors_in_process(tmp_path):
+    with pytest.raises(MinigistError, match="no such folder"):
+        datasets.load_dataset(str(tmp_path / "nope"), (3, 8, 8), 10)
+    with pytest.raises(MinigistError, match="channel"):
+        datasets.load_dataset("mnist5k", (4, 8, 8), 10)
+
+
+def test_timeline_series_add_up_to_the_live_bytes_and_split_the_stash():
+    from minigist import visualize
+    from minigist.memory.report import footprint_report, live_by_step
+    for gist in ("none", "all"):
+        for alloc in ("none", "static", "dynamic"):
+            args = make_args(batch_size=4, input_size=None, alloc=alloc)
+            args.gist, args.dpr = gist, "fp16"
+            plan = train.shapes_only_plan(train.resolve_model("vgg_small"), args)
+            keys, matrix = visualize.live_series(plan, footprint_report(plan))
+            assert np.array_equal(matrix.sum(axis=0), live_by_step(plan))
+            labels = [visualize.series_label(key) for key in keys]
+            if gist == "all":
+                assert "encoded: fp16" in labels and "stash: decoded for backward" in labels
+            else:      # no Gist: nothing encoded (max-pool argmax indices may still show as their dtype)
+                assert not [label for label in labels if label.startswith("encoded") or "decoded" in label]
+
+
+def test_lr_schedule_and_epoch_batches():
+    args = make_args(lr=0.1, lr_step=1.5, lr_gamma=0.5)
+    assert [train.lr_at(args, i, 10) for i in (0, 14, 15, 29, 30)] == [0.1, 0.1, 0.05, 0.05, 0.025]
+    args.lr_step = 0
+    assert train.lr_at(args, 1000, 10) == 0.1
+    data = datasets.load_dataset("synthetic", (1, 4, 4), classes=2, holdout=0.0, synthetic_size=10)
+    order = data.epoch_order(np.random.default_rng(0))
+    batches = [data.epoch_batch(order, i, 4) for i in range(data.iters_per_epoch(4))]
+    assert len(batches) == 3 and all(len(b) == 4 for b in batches)
+    assert sorted(set(np.concatenate(batches))) == list(range(10))
+    assert list(batches[-1][2:]) == list(order[:2])
