@@ -116,7 +116,9 @@ class Net:
         self.executors = {}
         if alloc == "dynamic":
             limit = None if memory_budget is None else memory_budget - self.persistent_bytes
-            self.pool = Pool(limit=limit)
+            note = "" if limit is None else (f" (--memory-budget {memory_budget:,} less {self.persistent_bytes:,} "
+                                             f"bytes of weights, their gradients and momentum)")
+            self.pool = Pool(limit=limit, limit_note=note)
             for key, program in self.programs.items():
                 self.executors[key] = DynamicExecutor(program, self.plans[key], self.arena, self.persistent_bytes,
                                                       self.arrays, self.xp, self.solver, self.pool, self.stats)

@@ -19,9 +19,10 @@ from . import align
 
 
 class Pool:
-    def __init__(self, alignment=256, limit=None):
+    def __init__(self, alignment=256, limit=None, limit_note=""):
         self.alignment = alignment
         self.limit = limit
+        self.limit_note = limit_note      # where the limit comes from, for the error message
         self.top = 0                 # end of the range used so far
         self.free_blocks = []        # sorted list of (offset, size)
         self.allocated = {}          # offset -> size
@@ -52,7 +53,7 @@ class Pool:
             if self.limit is not None and new_top > self.limit:
                 raise MemoryBudgetError(
                     f"memory pool: a request of {nbytes:,} bytes does not fit: {self.in_use:,} bytes "
-                    f"in use, the pool would grow to {new_top:,} bytes, the limit is {self.limit:,} bytes")
+                    f"in use, the pool would grow to {new_top:,} bytes, the limit is {self.limit:,} bytes{self.limit_note}")
             if offset != self.top:
                 self.free_blocks.pop()
             self.top = new_top
