@@ -2,7 +2,7 @@
 
     python bench/step_vs_torch.py [--models vgg_small,resnet20,inception_small] [--batch-size 32]
                                   [--repeats 11] [--warmup 2] [--threads 2] [--blas-threads N]
-                                  [--lr 0.01] [--no-gist]
+                                  [--lr 0.01] [--no-gist] [--float64-steps 4]
 
 PyTorch (CPU) is needed for this bench only: `pip install torch`; threadpoolctl, if installed,
 reports and sets (--blas-threads, by default --threads) the BLAS threads numpy uses; without
@@ -17,13 +17,16 @@ report gives, per model:
 
 - the median, min and max step time of each side and the ratio minigist / torch (of the
   medians with the range of the per-pair ratios, and of the minima: the least disturbed
-  figure on a shared machine);
+  figure on a shared machine), with the share of the CPU time that other processes took
+  meanwhile ('others', from /proc/stat);
 - the FLOPs of one step, counted from the graph (convolution and inner-product layers only:
   2 * MACs forward, twice that backward), and each side's share of the float32 GEMM rate of
   this machine, measured with numpy (1024 x 1024 matmul) in the same run;
 - the loss of the first step (initial weights, batch 0) on both sides and their relative
   difference, which must be below 1e-4; the largest difference over all later steps and the
   relative L2 distance of the trained weights after them, which check the update rule too;
+  and the same two figures for a few untimed steps run in float64 on both sides, where
+  rounding no longer hides a semantic mismatch (they agree to about 1e-15);
 - unless --no-gist, each Gist mode's minigist step time (none, lossless, lossy fp16,
   all fp16; calibrated on the two batches, timed in alternation) as a ratio to none.
 
@@ -65,7 +68,8 @@ except ImportError:
 
 GIST_CONFIGS = [("none", "none", "fp16"), ("lossless", "lossless", "fp16"),
                 ("lossy fp16", "lossy", "fp16"), ("all fp16", "all", "fp16")]
-LOSS_RTOL = 1e-4
+LOSS_RTOL = 1e-4        # float32, first step
+EXACT_RTOL = 1e-9       # float64, every checked step
 
 
 # ---- the torch twin of a minigist graph -------------------------------------------------------
@@ -90,10 +94,11 @@ class TorchTwin(torch.nn.Module):
         self.inputs = []           # data tops fed in order: data, label
         self.has_dropout = False
         self.fused = []            # (BatchNorm, Scale) layer names run as one batch_norm
+        self.batch_norms = []     # every BatchNorm layer name, in order
         for layer in {node.layer.name: node.layer for node in graph.nodes}.values():
             for decl in layer.params:
                 key = f"{layer.name}.{decl.name}"
-                value = torch.from_numpy(np.array(values[key], dtype=np.float32, copy=True))
+                value = torch.from_numpy(np.array(values[key], copy=True))
                 safe = "p%d_%s" % (len(self.tensors), "".join(c if c.isalnum() else "_" for c in key))
                 if decl.trained:
                     tensor = torch.nn.Parameter(value)
@@ -271,18 +276,24 @@ class TorchTwin(torch.nn.Module):
         channels = layer.shape3[1]
         sums = (self.param(layer, "mean"), self.param(layer, "variance"), self.param(layer, "scale_factor"))
         if training:   # torch keeps its own running averages (the step's output ignores them)
-            running_mean, running_var = torch.zeros(channels), torch.ones(channels)
+            running_mean = torch.zeros(channels, dtype=sums[0].dtype)
+            running_var = torch.ones(channels, dtype=sums[0].dtype)
         else:          # Caffe's running sums divided by the scale factor (0 -> 0)
             factor = float(sums[2][0])
             factor = 0.0 if factor == 0 else 1.0 / factor
             running_mean, running_var = sums[0] * factor, sums[1] * factor
+        # buffers, so that .double() and the like convert them with the weights
+        stats = "bn%d" % len(self.batch_norms)
+        self.batch_norms.append(layer.name)
+        self.register_buffer(stats + "_mean", running_mean.clone())
+        self.register_buffer(stats + "_var", running_var.clone())
         momentum = 1.0 - layer.maf
         shape3 = layer.shape3
 
         def batch_norm(blobs):
             x = blobs[bottom]
-            y = F.batch_norm(x.reshape(shape3), running_mean, running_var, weight, bias,
-                             training=training, momentum=momentum, eps=eps)
+            y = F.batch_norm(x.reshape(shape3), getattr(self, stats + "_mean"), getattr(self, stats + "_var"),
+                             weight, bias, training=training, momentum=momentum, eps=eps)
             blobs[top] = y.reshape(x.shape)
         return batch_norm
 
@@ -458,21 +469,45 @@ def compare(args, name, path):
             times["torch"].append(elapsed)
     others = other_load(meter, cpu_sample())
     rel = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses["minigist"], losses["torch"])]
-    # the trained weights after the same steps on both sides: ||w_minigist - w_torch|| / ||w_torch||
-    # over all of them (a float32 near-tie in a max pool can route one gradient element
-    # elsewhere, so element-wise maxima are noisy; the norm is not)
+    # the trained weights after the same steps on both sides, as one relative L2 distance (a
+    # float32 near-tie in a max pool can route one gradient element elsewhere, so element-wise
+    # maxima are noisy; the norm is not)
+    weight_diff = weight_distance(net, model)
+    flops = step_flops(graph)
+    result = {"name": name, "times": times, "losses": losses, "rel": rel, "flops": flops,
+              "weight_diff": weight_diff, "others": others, "dropout": model.has_dropout, "fused": len(model.fused),
+              "pair_ratios": [a / b for a, b in zip(times["minigist"], times["torch"])]}
+    return result, batches
+
+
+def float64_check(args, path, batches):
+    """Train both sides in float64 from the same weights for --float64-steps steps: with
+    rounding out of the way they must agree to ~1e-15, which checks every mapped semantic
+    (and the update rule) far more tightly than the float32 run can. Returns (largest loss
+    difference, relative L2 distance of the trained weights), both relative."""
+    solver = minigist.SGD(lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    net = minigist.Net(path, batch_size=args.batch_size, seed=0, solver=solver, dtype=np.float64)
+    model = TorchTwin(net.train_graph, {k: np.asarray(v) for k, v in net.params().items()})
+    optimizer = model.optimizer(args.lr, 0.9, 5e-4)
+    worst = 0.0
+    for step in range(args.float64_steps):
+        images, labels = batches[step % 2]
+        ours = net.train_step(images.astype(np.float64), labels)
+        theirs = torch_step(model, optimizer, torch.from_numpy(images.astype(np.float64)),
+                            torch.from_numpy(labels.astype(np.int64)))
+        worst = max(worst, abs(ours - theirs) / max(abs(theirs), 1e-300))
+    return worst, weight_distance(net, model)
+
+
+def weight_distance(net, model):
+    """||w_minigist - w_torch|| / ||w_torch|| over all trained weights."""
     diff = norm = 0.0
     for key, value in net.params().items():
         if key in model.multipliers:
             theirs = model.tensors[key].detach().numpy().astype(np.float64)
             diff += float(np.sum((np.asarray(value, np.float64) - theirs) ** 2))
             norm += float(np.sum(theirs ** 2))
-    weight_diff = (diff / max(norm, 1e-300)) ** 0.5
-    flops = step_flops(graph)
-    result = {"name": name, "times": times, "losses": losses, "rel": rel, "flops": flops,
-              "weight_diff": weight_diff, "others": others, "dropout": model.has_dropout, "fused": len(model.fused),
-              "pair_ratios": [a / b for a, b in zip(times["minigist"], times["torch"])]}
-    return result, batches
+    return (diff / max(norm, 1e-300)) ** 0.5
 
 
 def gist_ratios(args, path, batches):
@@ -508,11 +543,15 @@ def main():
                         help="numpy's BLAS threads, set through threadpoolctl (default: --threads)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--no-gist", action="store_true", help="skip the Gist-mode timings")
+    parser.add_argument("--float64-steps", type=int, default=4,
+                        help="untimed float64 steps on both sides to check the semantics (0: skip)")
     args = parser.parse_args()
     if args.blas_threads is None:
         args.blas_threads = args.threads
-    if min(args.repeats, args.threads, args.blas_threads, args.batch_size) < 1 or args.warmup < 0:
-        parser.error("--repeats, --threads, --blas-threads and --batch-size must be at least 1, --warmup at least 0")
+    counts = (args.repeats, args.threads, args.blas_threads, args.batch_size)
+    if min(counts) < 1 or min(args.warmup, args.float64_steps) < 0:
+        parser.error("--repeats, --threads, --blas-threads and --batch-size must be at least 1, "
+                     "--warmup and --float64-steps at least 0")
     torch.set_num_threads(args.threads)
     limiter = None
     if threadpoolctl is not None:
@@ -535,6 +574,8 @@ def main():
     for name in models:
         print(f"[{name}] minigist vs torch ...", file=sys.stderr, flush=True)
         result, batches = compare(args, name, paths[name])
+        if args.float64_steps:
+            result["float64"] = float64_check(args, paths[name], batches)
         results.append(result)
         if not args.no_gist:
             print(f"[{name}] Gist modes ...", file=sys.stderr, flush=True)
@@ -564,24 +605,29 @@ def main():
     print("GEMM share: step FLOPs / median step time / median GEMM rate "
           "(in parentheses: / fastest step / fastest GEMM, the least disturbed figures)")
     print()
-    print("| model | first-step loss minigist | torch | rel. diff | check (< 1e-4) | max rel. diff, all steps "
-          "| weights after all steps, rel. L2 diff |")
-    print("|---|---:|---:|---:|---|---:|---:|")
+    f64 = f"float64, {args.float64_steps} steps: loss / weights rel. diff"
+    print(f"| model | first-step loss minigist | torch | rel. diff | check (< {LOSS_RTOL:g}; float64 < {EXACT_RTOL:g}) "
+          "| max rel. diff, all steps "
+          f"| weights after all steps, rel. L2 diff | {f64} |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|")
     failed = False
     for r in results:
         first = r["rel"][0]
+        exact = "skipped" if "float64" not in r else f"{r['float64'][0]:.1e} / {r['float64'][1]:.1e}"
         if r["dropout"]:
             verdict = "n/a (dropout)"
         else:
-            verdict = "ok" if first < LOSS_RTOL else "FAIL"
-            failed = failed or first >= LOSS_RTOL
+            bad = first >= LOSS_RTOL or ("float64" in r and r["float64"][0] >= EXACT_RTOL)
+            verdict = "FAIL" if bad else "ok"
+            failed = failed or bad
         print(f"| {r['name']} | {r['losses']['minigist'][0]:.7f} | {r['losses']['torch'][0]:.7f} | {first:.1e} "
-              f"| {verdict} | {max(r['rel']):.1e} | {r['weight_diff']:.1e} |")
+              f"| {verdict} | {max(r['rel']):.1e} | {r['weight_diff']:.1e} | {exact} |")
     print("torch twins: " + ", ".join(f"{r['name']} {r['fused']} BatchNorm+Scale pairs run as one batch_norm"
                                       for r in results))
     if gist:
         print()
-        print("| model | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in GIST_CONFIGS) + " | SSDC fallbacks | others |")
+        print("| model | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in GIST_CONFIGS)
+              + " | SSDC fallbacks | others |")
         print("|---|" + "---:|" * len(GIST_CONFIGS) + "---:|---:|")
         for name, (times, fallbacks, others) in gist.items():
             base = statistics.median(times["none"])
@@ -590,7 +636,8 @@ def main():
     if limiter is not None:
         limiter.restore_original_limits()
     if failed:
-        print(f"\nFAIL: a first-step loss differs by more than {LOSS_RTOL:g} (relative)")
+        print(f"\nFAIL: a first-step loss differs by more than {LOSS_RTOL:g}, or a float64 loss by more than "
+              f"{EXACT_RTOL:g} (relative)")
         sys.exit(1)
 
 
