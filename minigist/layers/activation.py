@@ -24,17 +24,17 @@ class ReLU(Layer):
     def workspace(self, phase):
         if phase == "backward":
             return {"mask": TensorDecl(self.top_shapes[0], np.bool_)}
+        if self.slope != 0.0:   # slope * x, kept apart: y may be x itself (in place)
+            return {"scaled": TensorDecl(self.top_shapes[0])}
         return {}
 
     def forward(self, xp, x, y, p, saved, ws):
         if self.slope == 0.0:
             xp.maximum(x[0], 0, out=y[0])
-        elif self.slope <= 1.0:
-            xp.multiply(x[0], self.slope, out=y[0])
-            xp.maximum(x[0], y[0], out=y[0])
-        else:
-            xp.multiply(x[0], self.slope, out=y[0])
-            xp.minimum(x[0], y[0], out=y[0])
+            return
+        scaled = ws["scaled"]
+        xp.multiply(x[0], self.slope, out=scaled)
+        (xp.maximum if self.slope <= 1.0 else xp.minimum)(x[0], scaled, out=y[0])
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
