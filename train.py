@@ -51,7 +51,7 @@ from minigist.errors import MinigistError  # noqa: E402
 from minigist.gist import apply_gist  # noqa: E402
 from minigist.memory.plan import MODES  # noqa: E402
 from minigist.memory.report import format_report, write_json  # noqa: E402
-from minigist.net import plan_footprint, save_npz_atomic  # noqa: E402
+from minigist.net import UPDATES, plan_footprint, save_npz_atomic  # noqa: E402
 
 MODELS_DIR = os.path.join(HERE, "models")
 DEFAULT_MODEL = "resnet20"
@@ -232,6 +232,11 @@ def make_parser():
                             "default), lossy (reduced precision, --dpr) or all")
     group.add_argument("--dpr", default="fp16", choices=list(DPR_FORMATS),
                        help="the reduced-precision format of --gist lossy/all (default fp16)")
+    group.add_argument("--update", default="fused", choices=list(UPDATES),
+                       help="when each parameter's SGD update runs: fused (right after its layer's "
+                            "backward, so weight gradients are freed as soon as they are applied and "
+                            "share memory; the default) or separate (after the whole backward pass, "
+                            "as Caffe does; every gradient is live at once). Same weights bit for bit")
     group.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                        help="fail before training if it needs more memory than SIZE (e.g. 2GiB, 512MB)")
     group.add_argument("--plan-only", action="store_true",
@@ -526,20 +531,20 @@ def evaluate(net, data, split, batch_size, names, limit=None):
 
 # ---- reports, plots ------------------------------------------------------------------------
 def gist_kwargs(args):
-    return {"gist": args.gist, "dpr": args.dpr}
+    return {"gist": args.gist, "dpr": args.dpr, "update": args.update}
 
 
 def plan_for(path, args, alloc=None, gist=None):
     """The footprint report from shapes alone."""
     return plan_footprint(path, args.batch_size, args.input_size, alloc or args.alloc,
-                          gist=args.gist if gist is None else gist, dpr=args.dpr)
+                          gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update)
 
 
 def shapes_only_plan(path, args):
     """A MemoryPlan of the training program built from shapes alone (for --plan-only plots)."""
     from minigist.memory.plan import MemoryPlan
     graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
-    program = minigist.build_program(graph, train=True)
+    program = minigist.build_program(graph, train=True, fused_update=args.update == "fused")
     program = apply_gist(program, GistConfig(args.gist, args.dpr))
     return MemoryPlan(program, args.alloc)
 

@@ -167,12 +167,13 @@ class Executor:
         self.program = program
         self.arrays = arrays
         self.steps = [bind_step(step, arrays, xp, solver, stats) for step in program.steps]
-        self.update_start = program.update_start
+        self.no_update = [bound for bound, step in zip(self.steps, program.steps) if step.kind != "update"]
 
     def run(self, feed, collect, update=True):
-        """feed(arrays) writes the inputs; collect(arrays) reads the outputs, which it returns."""
+        """feed(arrays) writes the inputs; collect(arrays) reads the outputs, which it returns.
+        update=False skips the SGD update steps (wherever they sit)."""
         feed(self.arrays)
-        for step in (self.steps if update else self.steps[:self.update_start]):
+        for step in (self.steps if update else self.no_update):
             step()
         return collect(self.arrays)
 
@@ -196,7 +197,6 @@ class DynamicExecutor:
         self.step_groups = [sorted({plan.group_of[name] for name in step.buffer_names()
                                     if name in plan.group_of}) for step in program.steps]
         self.bound = [None] * len(program.steps)
-        self.update_start = program.update_start
 
     def _array(self, name, offsets):
         if name in self.persistent_arrays:
@@ -210,20 +210,21 @@ class DynamicExecutor:
     def run(self, feed, collect, update=True):
         groups = self.plan.groups
         offsets = [None] * len(groups)
-        end = len(self.program.steps) if update else self.update_start
         program_steps = self.program.steps
+        end = len(program_steps)
         inputs = [n for n, b in self.program.buffers.items() if b.category == "input"]
         for index in range(end):
             for group in self.allocs[index]:
                 offsets[group] = self.pool.malloc(groups[group].nbytes)
             if index == 0:
                 feed(self._arrays(inputs, offsets))
-            key = tuple(offsets[g] for g in self.step_groups[index])
-            if self.bound[index] is None or self.bound[index][0] != key:
-                step = program_steps[index]
-                arrays = self._arrays(step.buffer_names(), offsets)
-                self.bound[index] = (key, bind_step(step, arrays, self.xp, self.solver, self.stats))
-            self.bound[index][1]()
+            if update or program_steps[index].kind != "update":
+                key = tuple(offsets[g] for g in self.step_groups[index])
+                if self.bound[index] is None or self.bound[index][0] != key:
+                    step = program_steps[index]
+                    arrays = self._arrays(step.buffer_names(), offsets)
+                    self.bound[index] = (key, bind_step(step, arrays, self.xp, self.solver, self.stats))
+                self.bound[index][1]()
             if index < end - 1:
                 for group in self.frees[index]:
                     self.pool.free(offsets[group])

@@ -368,7 +368,7 @@ def _rename(value, renames):
 
 
 def _copy(buffer):
-    return Buffer(buffer.name, buffer.shape, buffer.dtype, buffer.category, buffer.layer)
+    return Buffer(buffer.name, buffer.shape, buffer.dtype, buffer.category, buffer.layer, pinned=buffer.pinned)
 
 
 def _workspace(buffers, decls, prefix, layer):

@@ -27,11 +27,13 @@ from .memory.pool import Pool
 from .memory.report import footprint_report
 from .program import build_program, param_buffer_names
 
+UPDATES = ("separate", "fused")
+
 
 class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
-                 binarize="fused", gist_overrides=None, ssdc_density=None):
+                 binarize="fused", gist_overrides=None, ssdc_density=None, update="separate"):
         if alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
         try:
@@ -45,7 +47,11 @@ class Net:
         self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype)
                        for phase in ("TRAIN", "TEST")}
         self.train_graph = self.graphs["TRAIN"]
-        self.base_programs = {"train": build_program(self.graphs["TRAIN"], train=True),
+        if update not in UPDATES:
+            raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {update!r}")
+        self.update = update
+        self.base_programs = {"train": build_program(self.graphs["TRAIN"], train=True,
+                                                     fused_update=update == "fused"),
                               "eval": build_program(self.graphs["TEST"], train=False)}
         self.solver = solver or SGD()
         self.alloc = alloc
@@ -181,7 +187,8 @@ class Net:
         return collect
 
     def forward_backward(self, *inputs):
-        """Forward and backward on one batch, no update; returns the weighted loss."""
+        """Forward and backward on one batch, no update; returns the weighted loss. The weight
+        gradients stay readable (`grads()`) only with update="separate"."""
         return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"),
                                            update=False)
 
@@ -209,7 +216,8 @@ class Net:
                           "ssdc_density_planned": dict(self.gist.ssdc_density),
                           "ssdc_density_seen": dict(self.stats.density),
                           "ssdc_fallbacks": self.stats.fallbacks,
-                          "ssdc_fallback_bytes": self.stats.fallback_bytes}}
+                          "ssdc_fallback_bytes": self.stats.fallback_bytes},
+                 "update": self.update}
         return footprint_report(self.plans["train"], model=self.model,
                                 parameters=self.train_graph.param_count(), extra=extra)
 
@@ -224,6 +232,9 @@ class Net:
 
     def grads(self):
         """{"layer.param": gradient array} of the trained parameters after a backward pass."""
+        if self.update == "fused":
+            raise MinigistError("weight gradients are not kept with update='fused' (each is freed as soon as "
+                                "it is applied); build the Net with update='separate' to read them")
         out = {}
         for layer in self._param_layers():
             for index, decl in enumerate(layer.params):
@@ -331,10 +342,12 @@ def summary(graph):
 
 
 def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
-                   gist="none", dpr="fp16", binarize="fused", ssdc_density=None):
+                   gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate"):
     """The footprint report of one training iteration, computed from shapes alone: no array
     is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
     (measured densities: a plan cannot see data)."""
+    if update not in UPDATES:
+        raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {update!r}")
     if alloc not in MODES:
         raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
     try:
@@ -342,7 +355,7 @@ def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtyp
     except ValueError as exc:
         raise MinigistError(str(exc)) from None
     graph = build_graph(model, "TRAIN", batch_size, input_size, dtype)
-    program = apply_gist(build_program(graph, train=True), config)
-    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}}
+    program = apply_gist(build_program(graph, train=True, fused_update=update == "fused"), config)
+    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update}
     return footprint_report(MemoryPlan(program, alloc), model=str(model), parameters=graph.param_count(),
                             extra=extra)

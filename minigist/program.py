@@ -34,6 +34,7 @@ class Buffer:
     layer: str = ""           # the layer that owns or produces it
     first_use: int = -1
     last_use: int = -1
+    pinned: bool = None       # lives the whole run; None: as its category says
 
     @property
     def nbytes(self):
@@ -41,6 +42,8 @@ class Buffer:
 
     @property
     def persistent(self):
+        if self.pinned is not None:
+            return self.pinned
         return self.category in PERSISTENT_CATEGORIES
 
 
@@ -92,12 +95,11 @@ class Program:
         self.compute_liveness()
 
     @property
-    def update_start(self):
-        """Index of the first update step (len(steps) if none)."""
-        for index, step in enumerate(self.steps):
-            if step.kind == "update":
-                return index
-        return len(self.steps)
+    def fused_update(self):
+        """Whether update steps run inside the backward pass (each right after the backward
+        of its layer), so that weight gradients are per-iteration buffers."""
+        kinds = [step.kind for step in self.steps]
+        return "update" in kinds and "backward" in kinds[kinds.index("update"):]
 
     def compute_liveness(self):
         """first_use / last_use of every buffer; persistent buffers and outputs span it all."""
@@ -161,8 +163,15 @@ def _add_workspace(buffers, layer, phase):
     return names
 
 
-def build_program(graph, train=True):
-    """The program of one training iteration (train=True) or of one inference pass."""
+def build_program(graph, train=True, fused_update=False):
+    """The program of one training iteration (train=True) or of one inference pass.
+
+    The SGD update of a parameter runs after the whole backward pass (fused_update=False, as
+    Caffe does: every weight gradient stays readable until the next iteration), or right after
+    the backward step of its layer (fused_update=True): nothing reads a layer's weights or its
+    weight gradient after that step (shared weights are refused), so the update gives the same
+    weights bit for bit, and each weight gradient lives only from its backward step to its
+    update, where the planner can reuse its bytes."""
     buffers, steps = {}, []
 
     def add(name, shape, dtype, category, layer_name):
@@ -235,6 +244,8 @@ def build_program(graph, train=True):
             if decl.trained:
                 _, grad, _ = param_buffer_names(layer, index)
                 gp.append(add(grad, decl.shape, layer.dtype, WEIGHT_GRADS, layer.name))
+                if fused_update:
+                    buffers[grad].pinned = False
             else:
                 gp.append(None)
         forward = steps[node_index]
@@ -245,19 +256,26 @@ def build_program(graph, train=True):
             "saved": dict(forward.args["saved"]), "ws": _add_workspace(buffers, layer, "backward")}))
         for target, source in accumulate:
             steps.append(Step("accumulate", None, {"target": target, "source": source}))
+        if fused_update:
+            _add_updates(layer, buffers, steps, add)
 
-    for node in graph.nodes:
-        layer = node.layer
-        for index, decl in enumerate(layer.params):
-            if not decl.trained:
-                continue
-            weight, grad, momentum = param_buffer_names(layer, index)
-            if grad not in buffers:     # the layer's output reaches no loss
-                continue
-            add(momentum, decl.shape, layer.dtype, OPTIMIZER_STATE, layer.name)
-            scratch = add(f"ws:{layer.name}.update.{decl.name}", (min(int(np.prod(decl.shape)), UPDATE_CHUNK),),
-                          layer.dtype, WORKSPACE, layer.name)
-            steps.append(Step("update", layer, {
-                "param": weight, "grad": grad, "momentum": momentum, "ws": scratch,
-                "lr_mult": decl.lr_mult, "decay_mult": decl.decay_mult}))
+    if not fused_update:
+        for node in graph.nodes:
+            _add_updates(node.layer, buffers, steps, add)
     return Program(graph, buffers, steps, outputs, loss_weights)
+
+
+def _add_updates(layer, buffers, steps, add):
+    """The SGD update steps of the trained parameters of `layer` that got a gradient."""
+    for index, decl in enumerate(layer.params):
+        if not decl.trained:
+            continue
+        weight, grad, momentum = param_buffer_names(layer, index)
+        if grad not in buffers:     # the layer's output reaches no loss
+            continue
+        add(momentum, decl.shape, layer.dtype, OPTIMIZER_STATE, layer.name)
+        scratch = add(f"ws:{layer.name}.update.{decl.name}", (min(int(np.prod(decl.shape)), UPDATE_CHUNK),),
+                      layer.dtype, WORKSPACE, layer.name)
+        steps.append(Step("update", layer, {
+            "param": weight, "grad": grad, "momentum": momentum, "ws": scratch,
+            "lr_mult": decl.lr_mult, "decay_mult": decl.decay_mult}))

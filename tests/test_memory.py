@@ -322,3 +322,53 @@ def test_small_models_train_bit_identically_in_every_mode(name):
         assert results[alloc][0] == results["none"][0]
         for key, value in results["none"][1].items():
             np.testing.assert_array_equal(results[alloc][1][key], value, err_msg=f"{alloc} {key}")
+
+
+# ---- fused update: each parameter updated right after its layer's backward --------------
+@pytest.mark.parametrize("name", SMALL_MODELS)
+def test_fused_update_gives_the_same_bits_and_frees_weight_gradients(name):
+    rng = np.random.default_rng(4)
+    data = [(rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(3)]
+    path = os.path.join(MODELS_DIR, name + ".prototxt")
+    reference = minigist.Net(path, batch_size=4, alloc="none", seed=2, gist="lossless")
+    losses = [reference.train_step(*batch) for batch in data]
+    for alloc in ("none", "static", "dynamic"):
+        net = minigist.Net(path, batch_size=4, alloc=alloc, seed=2, gist="lossless", update="fused")
+        assert net.programs["train"].fused_update and not reference.programs["train"].fused_update
+        assert [net.train_step(*batch) for batch in data] == losses, alloc
+        for key, value in reference.params().items():
+            np.testing.assert_array_equal(net.params()[key], value, err_msg=f"{alloc} {key}")
+        # no update step runs (a TRAIN forward still moves BatchNorm's running statistics)
+        trained = {f"{node.layer.name}.{p.name}" for node in net.train_graph.nodes for p in node.layer.params
+                   if p.trained}
+        before = {k: v.copy() for k, v in net.state().items() if k.split(":")[-1] in trained}
+        net.forward_backward(*data[0])
+        state = net.state()
+        for key, value in before.items():
+            np.testing.assert_array_equal(state[key], value, err_msg=key)
+    separate = reference.report()
+    fused = net.report()
+    grads = separate["total_by_category"]["weight_grads"]
+    assert fused["total_by_category"]["weight_grads"] == grads
+    assert separate["peak_by_category"]["weight_grads"] == grads
+    # at most the largest layer's gradients are live together under fused
+    largest = max(sum(int(np.prod(p.shape)) * 4 for p in node.layer.params)
+                  for node in net.train_graph.nodes)
+    assert fused["peak_by_category"]["weight_grads"] <= largest < grads
+
+
+def test_fused_update_places_each_update_after_its_backward(branchy):
+    net = minigist.Net(branchy, alloc="static", update="fused")
+    steps = net.programs["train"].steps
+    for index, step in enumerate(steps):
+        if step.kind == "update":
+            backward = [i for i, s in enumerate(steps) if s.kind == "backward" and s.layer is step.layer]
+            assert backward and backward[0] < index
+            later = [s for s in steps[index + 1:] if step.args["param"] in s.buffer_names()
+                     or step.args["grad"] in s.buffer_names()]
+            assert later == []
+    assert not net.programs["train"].buffers[steps[-1].args["grad"]].persistent
+    with pytest.raises(minigist.MinigistError, match="update='separate'"):
+        net.grads()
+    with pytest.raises(minigist.MinigistError, match="--update"):
+        minigist.Net(branchy, update="later")
