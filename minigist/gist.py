@@ -274,7 +274,8 @@ class _Builder:
     # ---- streaming ----------------------------------------------------------------------
     def stream_chunk(self, name, codec):
         """Samples per slice when every backward reader of `name` can read it slice by slice
-        (a convolution's input, a ReLU's output), for a codec of values (SSDC, DPR); else 0."""
+        (a layer whose `stream_chunk()` is positive reading it as its first input: a
+        convolution, an LRN; a ReLU's output), for a codec of values (SSDC, DPR); else 0."""
         if not isinstance(codec, (self.SSDC, self.DPR)) or not name.startswith("blob:"):
             return 0
         if self.program.buffers[name].shape[0] != self.graph.batch_size:
@@ -283,8 +284,8 @@ class _Builder:
         for index in self.readers[name]:
             step = self.steps[index]
             layer = step.layer
-            if layer.type == "Convolution" and not layer.pointwise and step.args["x"][0] == name \
-                    and name not in step.args["x"][1:]:
+            if step.args["x"] and step.args["x"][0] == name and name not in step.args["x"][1:] \
+                    and layer.stream_chunk() > 0 and not getattr(layer, "pointwise", False):
                 chunk = max(chunk, layer.stream_chunk())
             elif layer.type == "ReLU" and step.args["y"][0] == name and index not in self.mask_relus \
                     and index not in self.identity_relus:

@@ -237,13 +237,38 @@ def test_lrn_forward(param, size, alpha, beta, k):
     shape = (2, 7, 3, 4)
     x = np.random.default_rng(10).standard_normal(shape) * 2
     layer = make_layer(lrn_text(param), [shape])
-    assert layer.keeps_bottoms == (0,) and layer.keeps_tops == (0,)
-    assert set(layer.saved) == {"scale"} and layer.saved["scale"].shape == shape
+    # backward keeps x alone (Caffe keeps x, y and scale) and recomputes scale
+    assert layer.keeps_bottoms == (0,) and layer.keeps_tops == () and layer.saved == {}
     run = LayerRun(layer)
     y = run.forward([x])[0]
     ref_y, ref_scale = lrn_reference(x, size, alpha, beta, k)
     np.testing.assert_allclose(y, ref_y, rtol=1e-12)
-    np.testing.assert_allclose(run.saved["scale"], ref_scale, rtol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_samples", [1, 2, 3])
+def test_lrn_chunks_in_place(chunk_samples):
+    """Chunk-sized workspaces; y written over x and gx over gy give the out-of-place bits."""
+    shape = (5, 6, 3, 2)
+    rng = np.random.default_rng(12)
+    x, gy = rng.standard_normal(shape), rng.standard_normal(shape)
+    text = lrn_text("local_size: 3 alpha: 0.7 beta: 0.4 k: 2")
+    layer = make_layer(text, [shape])
+    layer.chunk_bytes = chunk_samples * 6 * 3 * 2 * 8
+    assert layer.stream_chunk() == chunk_samples
+    assert layer.workspace("backward")["scale"].shape == (chunk_samples, 6, 6)
+    whole = make_layer(text, [shape])
+    assert whole.stream_chunk() == 5
+    reference = LayerRun(whole)
+    ref_y = reference.forward([x])[0]
+    ref_gx = reference.backward([gy])[0][0]
+    ws = {phase: {k: np.empty(d.shape) for k, d in layer.workspace(phase).items()} for phase in ("forward", "backward")}
+    inplace = x.copy()
+    layer.forward(np, [inplace], [inplace], [], {}, ws["forward"])
+    np.testing.assert_array_equal(inplace, ref_y)
+    grad = gy.copy()
+    layer.backward(np, [x], [None], [grad], [grad], [], [], {}, ws["backward"])
+    np.testing.assert_array_equal(grad, ref_gx)
+    np.testing.assert_allclose(ref_y, lrn_reference(x, 3, 0.7, 0.4, 2.0)[0], rtol=1e-12)
 
 
 @pytest.mark.parametrize("shape,param", [

@@ -125,6 +125,12 @@ class Layer:
     def has_backward(self):
         return True
 
+    def stream_chunk(self):
+        """Samples of its first bottom the backward reads at a time, in order, as
+        x[0][n0:n0 + b] and nothing else (so a stash encoded per sample can be decoded one
+        slice at a time); 0: the backward reads x[0] whole."""
+        return 0
+
     def inplace_safe(self, bottom_index, top_index):
         """Whether top `top_index` may overwrite bottom `bottom_index` in forward and backward."""
         return False

@@ -219,10 +219,17 @@ class Scale(Layer):
 @register
 class LRN(Layer):
     """Caffe's LRN across channels: scale = k + alpha/n * sum of x^2 over the n channels
-    centred on c (clipped at the edges), y = x * scale^-beta. Backward keeps x, y and the
-    saved scale, as Caffe does."""
+    centred on c (clipped at the edges), y = x * scale^-beta.
+
+    Caffe stashes x, y and scale for the backward pass (three input-sized tensors). Here the
+    backward keeps x alone and recomputes scale from it, a few samples at a time: the window
+    sum is cheap next to the power that both versions compute in backward. Both passes work
+    in batch chunks with chunk-sized workspaces, so y may overwrite x and gx may overwrite gy
+    (every chunk is read into the workspaces before its output is written), and a Gist stash
+    of x can be decoded one chunk at a time (`stream_chunk`)."""
     type = "LRN"
     param_field = "lrn_param"
+    chunk_bytes = 4 << 20       # target size of one chunk-sized workspace
 
     def setup(self, bottom_shapes):
         p = self.p
@@ -239,41 +246,64 @@ class LRN(Layer):
             self.fail(f"needs an input with a channel axis (N, C, ...), got shape {shape}")
         self.shape3 = _shape3(shape)
         self.keeps_bottoms = (0,)
-        self.keeps_tops = (0,)
-        self.saved = {"scale": TensorDecl(shape)}
         return [shape]
 
-    def workspace(self, phase):
-        if phase == "backward":
-            return {"ratio": TensorDecl(self.shape3)}
-        return {}
+    def inplace_safe(self, bottom_index, top_index):
+        return True
 
-    def forward(self, xp, x, y, p, saved, ws):
-        x3 = x[0].reshape(self.shape3)
-        y3 = y[0].reshape(self.shape3)
-        scale = saved["scale"].reshape(self.shape3)
-        xp.multiply(x3, x3, out=y3)                      # y holds x^2 until the end
-        _window_sum(xp, y3, scale, (self.size - 1) // 2)
+    def stream_chunk(self):
+        """Samples of x one chunk of the backward reads (x[0][n0:n0 + b])."""
+        n, c, inner = self.shape3
+        per_sample = c * inner * np.dtype(self.dtype).itemsize
+        return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
+
+    def workspace(self, phase):
+        n, c, inner = self.shape3
+        chunk = (self.stream_chunk(), c, inner)
+        names = ("square", "scale") if phase == "forward" else ("scale", "ratio", "power")
+        return {name: TensorDecl(chunk) for name in names}
+
+    def _scale(self, xp, xc, ws):
+        """ws["scale"][:b] <- k + alpha/n * window sum of xc^2, for the chunk xc (b, C, S)."""
+        b = xc.shape[0]
+        square, scale = ws["square" if "square" in ws else "ratio"][:b], ws["scale"][:b]
+        xp.multiply(xc, xc, out=square)
+        _window_sum(xp, square, scale, (self.size - 1) // 2)
         xp.multiply(scale, self.alpha / self.size, out=scale)
         xp.add(scale, self.k, out=scale)
-        xp.power(scale, -self.beta, out=y3)
-        xp.multiply(y3, x3, out=y3)
+        return scale
+
+    def forward(self, xp, x, y, p, saved, ws):
+        n = self.shape3[0]
+        chunk = ws["scale"].shape[0]
+        y3 = y[0].reshape(self.shape3)
+        x3 = x[0].reshape(self.shape3)
+        for n0 in range(0, n, chunk):
+            xc = x3[n0:n0 + chunk]
+            scale = self._scale(xp, xc, ws)
+            xp.power(scale, -self.beta, out=scale)
+            xp.multiply(xc, scale, out=y3[n0:n0 + chunk])
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
             return
-        x3 = x[0].reshape(self.shape3)
-        y3 = y[0].reshape(self.shape3)
+        n, c, inner = self.shape3
+        chunk = ws["scale"].shape[0]
         gy3 = gy[0].reshape(self.shape3)
         gx3 = gx[0].reshape(self.shape3)
-        scale = saved["scale"].reshape(self.shape3)
-        ratio = ws["ratio"]
-        # gx = gy * scale^-beta - 2 alpha beta / n * x * window_sum(gy * y / scale)
-        xp.multiply(gy3, y3, out=ratio)
-        xp.divide(ratio, scale, out=ratio)
-        _window_sum(xp, ratio, gx3, (self.size - 1) // 2)
-        xp.multiply(gx3, x3, out=gx3)
-        xp.multiply(gx3, -2.0 * self.alpha * self.beta / self.size, out=gx3)
-        xp.power(scale, -self.beta, out=ratio)
-        xp.multiply(ratio, gy3, out=ratio)
-        xp.add(gx3, ratio, out=gx3)
+        factor = -2.0 * self.alpha * self.beta / self.size
+        for n0 in range(0, n, chunk):
+            xc = x[0][n0:n0 + chunk].reshape((-1, c, inner))     # x may be a chunk-wise decoded stash
+            b = xc.shape[0]
+            scale = self._scale(xp, xc, ws)
+            ratio, power = ws["ratio"][:b], ws["power"][:b]
+            # gx = gy * scale^-beta - 2 alpha beta / n * x * window_sum(gy * scale^-beta * x / scale)
+            xp.power(scale, -self.beta, out=power)
+            xp.multiply(power, gy3[n0:n0 + b], out=power)
+            xp.multiply(power, xc, out=ratio)
+            xp.divide(ratio, scale, out=ratio)
+            gxc = gx3[n0:n0 + b]          # may be gy's bytes: the chunk of gy is used up above
+            _window_sum(xp, ratio, gxc, (self.size - 1) // 2)
+            xp.multiply(gxc, xc, out=gxc)
+            xp.multiply(gxc, factor, out=gxc)
+            xp.add(gxc, power, out=gxc)
