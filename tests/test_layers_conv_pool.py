@@ -483,3 +483,30 @@ def test_conv_frozen_weights(body):
     assert "gwn" not in ws and "xpad" not in ws
     x = np.random.default_rng(22).standard_normal((2, 2, 5, 5))
     check_gradients(layer, [x], seed=23)
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+@pytest.mark.parametrize("geometry", POOL_GEOMETRIES, ids=POOL_IDS)
+def test_pool_batch_chunks_give_the_same_bits(geometry, method):
+    """Workspaces hold one batch chunk; chunks of 1 and 2 samples reproduce the whole batch."""
+    body, shape, kernel, stride, pad, ceil = geometry
+    shape = (5,) + shape[1:]
+    rng = np.random.default_rng(13)
+    x = distinct(shape, rng)
+    whole = make_layer(pool_text(f"pool: {method} {body}"), [shape])
+    reference = LayerRun(whole)
+    ref_y = reference.forward([x])[0]
+    gy = rng.standard_normal(ref_y.shape)
+    ref_gx = reference.backward([gy])[0][0]
+    for samples in (1, 2):
+        layer = make_layer(pool_text(f"pool: {method} {body}"), [shape])
+        (hb, wb), (oh, ow) = layer.buf_hw, layer.out_hw
+        layer.chunk_bytes = samples * shape[1] * max(hb * wb if layer.needs_buffer else 0, oh * ow) * 8
+        for phase in ("forward", "backward"):
+            for decl in layer.workspace(phase).values():
+                assert decl.shape[0] == samples
+        run = LayerRun(layer)
+        np.testing.assert_array_equal(run.forward([x])[0], ref_y)
+        if method == "MAX":
+            np.testing.assert_array_equal(run.saved["argmax"], reference.saved["argmax"])
+        np.testing.assert_array_equal(run.backward([gy])[0][0], ref_gx)

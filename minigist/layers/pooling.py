@@ -37,6 +37,7 @@ def _overlap(offset, src_len, dst_len):
 @register
 class Pooling(Layer):
     type = "Pooling"
+    chunk_bytes = 4 << 20       # target size of the largest workspace: batch chunks of this
     param_field = "pooling_param"
 
     def setup(self, bottom_shapes):
@@ -149,10 +150,15 @@ class Pooling(Layer):
             sizes.append(np.minimum(starts + k, size + pd) - starts)
         return sizes
 
+    def _chunk(self):
+        """Samples per batch chunk: the workspaces hold one chunk, not the whole batch."""
+        n, c = self.in_shape[:2]
+        (hb, wb), (oh, ow) = self.buf_hw, self.out_hw
+        per_sample = c * max(hb * wb if self.needs_buffer else 0, oh * ow) * np.dtype(self.dtype).itemsize
+        return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
+
     def workspace(self, phase):
         n, c = self.in_shape[:2]
-        top = (n, c) + self.out_hw
-        buf = (n, c) + self.buf_hw
         ws = {}
         if self._global:
             if self.method == "MAX":
@@ -161,6 +167,9 @@ class Pooling(Layer):
                 else:
                     ws["mask"] = TensorDecl(self.in_shape, np.bool_)
             return ws
+        b = self._chunk()
+        top = (b, c) + self.out_hw
+        buf = (b, c) + self.buf_hw
         if phase == "forward":
             if self.needs_buffer:
                 ws["xpad"] = TensorDecl(buf)
@@ -190,14 +199,22 @@ class Pooling(Layer):
                 xp.sum(x3, axis=2, out=y2)
                 xp.divide(y2, h * w, out=y2)
             return
+        chunk = ws["wins" if self.method == "MAX" else "xpad"].shape[0] if ws else n
+        for n0 in range(0, n, chunk):
+            self._forward_chunk(xp, x0[n0:n0 + chunk], y0[n0:n0 + chunk],
+                                saved["argmax"][n0:n0 + chunk] if self.method == "MAX" else None,
+                                {k: v[:min(chunk, n - n0)] for k, v in ws.items()}, n0 == 0)
+
+    def _forward_chunk(self, xp, x0, y0, argmax, ws, first):
         src = x0
         if self.needs_buffer:
             src = ws["xpad"]
             rows, cols, src_rows, src_cols = self._regions()
-            src.fill(-np.inf if self.method == "MAX" else 0)
+            if first:   # the border stays as filled for every chunk
+                src.fill(-np.inf if self.method == "MAX" else 0)
             xp.copyto(src[:, :, rows, cols], x0[:, :, src_rows, src_cols])
         if self.method == "MAX":
-            argmax, wins = saved["argmax"], ws["wins"]
+            wins = ws["wins"]
             for k, i, j in self._offsets():
                 window = self._slice(src, i, j)
                 if k == 0:
@@ -241,16 +258,21 @@ class Pooling(Layer):
         if self._global:
             xp.divide(gy0.reshape(n, c, 1), h * w, out=gx0.reshape(n, c, h * w))
             return
-        scaled = ws["gtop"]
-        xp.divide(gy0, self._divisor(xp, gy0.dtype), out=scaled)
-        target = self._grad_target(xp, gx0, ws)
-        for k, i, j in self._offsets():
-            dst = self._slice(target, i, j)
-            if self.disjoint:
-                xp.copyto(dst, scaled)
-            else:
-                xp.add(dst, scaled, out=dst)
-        self._grad_finish(xp, target, gx0)
+        chunk = ws["gtop"].shape[0]
+        divisor = self._divisor(xp, gy0.dtype)
+        for n0 in range(0, n, chunk):
+            gyc, gxc = gy0[n0:n0 + chunk], gx0[n0:n0 + chunk]
+            cws = {k: v[:gyc.shape[0]] for k, v in ws.items()}
+            scaled = cws["gtop"]
+            xp.divide(gyc, divisor, out=scaled)
+            target = self._grad_target(xp, gxc, cws)
+            for k, i, j in self._offsets():
+                dst = self._slice(target, i, j)
+                if self.disjoint:
+                    xp.copyto(dst, scaled)
+                else:
+                    xp.add(dst, scaled, out=dst)
+            self._grad_finish(xp, target, gxc)
 
     def backward_from_index(self, xp, index, gy, gx, ws):
         """gx of MAX pooling from the argmax map alone: index holds, per output, the position
@@ -263,6 +285,12 @@ class Pooling(Layer):
             xp.equal(index.reshape(n, c, 1), positions, out=mask)
             xp.multiply(gy.reshape(n, c, 1), mask, out=gx.reshape(n, c, h * w))
             return
+        chunk = ws["mask"].shape[0]
+        for n0 in range(0, n, chunk):
+            gyc, gxc = gy[n0:n0 + chunk], gx[n0:n0 + chunk]
+            self._backward_chunk(xp, index[n0:n0 + chunk], gyc, gxc, {k: v[:gyc.shape[0]] for k, v in ws.items()})
+
+    def _backward_chunk(self, xp, index, gy, gx, ws):
         mask = ws["mask"]
         target = self._grad_target(xp, gx, ws)
         kind = index.dtype.type
