@@ -7,9 +7,10 @@
     planner.offset(a), planner.offset(b), planner.arena_size()    # 0, 0, 1024
 
 Two buffers may share bytes only if their lifetimes [first_use, last_use] are disjoint.
-Placement is greedy (the largest buffer first, each at the lowest offset where it fits between
-the buffers already placed that are live at the same time), tried under a few orderings; the
-smallest arena wins. `lower_bound()` is the most bytes live at any one step: no plan can be
+Placement is greedy (each buffer in turn at the best-fitting gap between the buffers already
+placed that are live at the same time, else on top), tried under several orderings (largest
+first, longest first, largest area first, greedy by breadth, the busiest step's buffers
+stacked first); the smallest arena wins. `lower_bound()` is the most bytes live at any one step: no plan can be
 smaller.
 """
 from . import align
@@ -70,13 +71,54 @@ class StaticPlanner:
             top = max(top, offset + size)
         return offsets, top
 
+    def _breadth_order(self):
+        """Greedy by breadth (as TFLite's arena planner): the steps with the most bytes live
+        first, and at each step its live buffers, largest first."""
+        steps = max(self.lasts) + 1 if self.sizes else 0
+        live = [[] for _ in range(steps)]
+        for index, (first, last) in enumerate(zip(self.firsts, self.lasts)):
+            for step in range(first, last + 1):
+                live[step].append(index)
+        totals = [sum(self.sizes[i] for i in members) for members in live]
+        order, seen = [], set()
+        for step in sorted(range(steps), key=lambda s: -totals[s]):
+            for index in sorted(live[step], key=lambda i: -self.sizes[i]):
+                if index not in seen:
+                    seen.add(index)
+                    order.append(index)
+        return order
+
+    def _nested_orders(self):
+        """The buffers live at the busiest step first, then the rest by size. Those buffers
+        (a stash kept from the forward pass into the backward) are mostly nested: made in
+        one order, freed in the reverse. Stacked by first use they leave no holes; by size,
+        another tie-break."""
+        if not self.sizes:
+            return []
+        steps = max(self.lasts) + 2
+        delta = [0] * steps
+        for size, first, last in zip(self.sizes, self.firsts, self.lasts):
+            delta[first] += size
+            delta[last + 1] -= size
+        live, busiest, most = 0, 0, -1
+        for step, change in enumerate(delta):
+            live += change
+            if live > most:
+                busiest, most = step, live
+        count = range(len(self.sizes))
+        at_peak = [self.firsts[i] <= busiest <= self.lasts[i] for i in count]
+        return [sorted(count, key=lambda i: (0, self.firsts[i], -self.sizes[i]) if at_peak[i]
+                       else (1, -self.sizes[i], self.firsts[i])),
+                sorted(count, key=lambda i: (0 if at_peak[i] else 1, -self.sizes[i], self.firsts[i]))]
+
     def plan(self):
         count = range(len(self.sizes))
         orders = [
             sorted(count, key=lambda i: (-self.sizes[i], self.firsts[i])),
             sorted(count, key=lambda i: (-(self.lasts[i] - self.firsts[i]), -self.sizes[i], self.firsts[i])),
             sorted(count, key=lambda i: (-self.sizes[i] * (self.lasts[i] - self.firsts[i] + 1), self.firsts[i])),
-        ]
+            self._breadth_order(),
+        ] + self._nested_orders()
         best = None
         for order in orders:
             offsets, top = self._place(order)
