@@ -285,7 +285,7 @@ class _Builder:
             step = self.steps[index]
             layer = step.layer
             if step.args["x"] and step.args["x"][0] == name and name not in step.args["x"][1:] \
-                    and layer.stream_chunk() > 0 and not getattr(layer, "pointwise", False):
+                    and layer.stream_chunk() > 0:
                 chunk = max(chunk, layer.stream_chunk())
             elif layer.type == "ReLU" and step.args["y"][0] == name and index not in self.mask_relus \
                     and index not in self.identity_relus:

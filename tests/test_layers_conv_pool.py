@@ -510,3 +510,31 @@ def test_pool_batch_chunks_give_the_same_bits(geometry, method):
         if method == "MAX":
             np.testing.assert_array_equal(run.saved["argmax"], reference.saved["argmax"])
         np.testing.assert_array_equal(run.backward([gy])[0][0], ref_gx)
+
+
+@pytest.mark.parametrize("body", ["num_output: 4 kernel_size: 1", "num_output: 4 kernel_size: 1 group: 2",
+                                  "num_output: 4 kernel_size: 3 pad: 1"])
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_conv_in_place_gives_the_out_of_place_bits(body, chunk):
+    """Same-shape convolutions (1x1 ones too) write y over x and gx over gy, chunk by chunk."""
+    shape = (5, 4, 3, 4)
+    rng = np.random.default_rng(15)
+    x, gy = rng.standard_normal(shape), rng.standard_normal(shape)
+    reference = LayerRun(make_layer(conv_text(body), [shape]))
+    ref_y = reference.forward([x])[0]
+    (ref_gx,), ref_gp = reference.backward([gy])
+    layer = make_layer(conv_text(body), [shape])
+    layer.batch_chunk = chunk
+    assert layer.inplace_safe(0, 0) and layer.stream_chunk() == chunk
+    ws = {phase: {k: np.empty(d.shape, d.dtype or np.float64) for k, d in layer.workspace(phase).items()}
+          for phase in ("forward", "backward")}
+    params = reference.params
+    inplace = x.copy()
+    layer.forward(np, [inplace], [inplace], params, {}, ws["forward"])
+    np.testing.assert_array_equal(inplace, ref_y)
+    grad = gy.copy()
+    gp = [np.empty_like(p) for p in params]
+    layer.backward(np, [x], [None], [grad], [grad], params, gp, {}, ws["backward"])
+    np.testing.assert_allclose(grad, ref_gx, rtol=1e-12, atol=1e-12)
+    for got, want in zip(gp, ref_gp):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -61,6 +61,13 @@ def _zero_outside(dst, rows, cols):
     dst[:, :, rows, cols.stop:].fill(0)
 
 
+def _staged(xp, stage, src):
+    """src copied to the front of the flat `stage` workspace, as a view of src's shape."""
+    out = stage[:src.size].reshape(src.shape)
+    xp.copyto(out, src)
+    return out
+
+
 def _im2col(xp, src, col, stride, dilation):
     """col (b, C, kh, kw, OH, OW) <- the windows of src (b, C, Hs, Ws): one strided copy."""
     s0, s1, s2, s3 = src.strides
@@ -138,10 +145,10 @@ class Convolution(Layer):
 
     def inplace_safe(self, bottom_index, top_index):
         """gx may overwrite gy (and y x) when they have one shape: each batch chunk of gy (x)
-        is copied into the column workspace before the same chunk of gx (y) is written. Not
-        for the 1x1 path, whose single matmul would read what it writes."""
+        is copied into the column workspace (the 1x1 path: its staging workspace) before the
+        same chunk of gx (y) is written."""
         n, c, h, w = self.in_shape
-        return not self.pointwise and (c, h, w) == (self.num_output,) + self.out_hw
+        return (c, h, w) == (self.num_output,) + self.out_hw
 
     # ---- geometry ----------------------------------------------------------------------
     def _transposed_cheaper(self):
@@ -170,12 +177,19 @@ class Convolution(Layer):
         n = self.in_shape[0]
         if self.batch_chunk:
             return max(1, min(n, int(self.batch_chunk)))
-        # a chunk holds each sample's columns and, for the weight gradient, its own dW
-        elems = 0 if self.pointwise else self._col_elems("backward")
+        # a chunk holds each sample's columns (1x1: its staged input) and, for the weight
+        # gradient, its own dW
+        elems = self._stage_elems() if self.pointwise else self._col_elems("backward")
         if self.params[0].trained:
             elems = max(elems, self.num_output * self.cols)
         per_sample = elems * np.dtype(self.dtype).itemsize
         return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
+
+    def _stage_elems(self):
+        """Elements of one sample in the 1x1 path's staging workspace: where a chunk of x (gy)
+        goes before y (gx) is written over it in place; none when shapes rule that out."""
+        n, c, h, w = self.in_shape
+        return c * h * w if self.inplace_safe(0, 0) else 0
 
     def stream_chunk(self):
         """Samples of x the backward reads at a time (x[0][n0:n0 + b]): a stash encoded per
@@ -205,6 +219,8 @@ class Convolution(Layer):
             if n > b:
                 ws["gwsum"] = TensorDecl((o * self.cols,))
         if self.pointwise:
+            if self._stage_elems():
+                ws["stage"] = TensorDecl((b * self._stage_elems(),))
             return ws
         ws["col"] = TensorDecl((b * self._col_elems(phase),))
         hp, wp = self._padded_hw()
@@ -263,7 +279,16 @@ class Convolution(Layer):
         weight = p[0].reshape(g, o // g, self.cols)
         y4 = y0.reshape(n, g, o // g, pix)
         if self.pointwise:
-            xp.matmul(weight, x0.reshape(n, g, c // g, pix), out=y4)
+            # in place (y over x): each chunk of x goes to the staging workspace first
+            stage = ws.get("stage")
+            inplace = stage is not None and xp.may_share_memory(x0, y0)
+            chunk = stage.size // self._stage_elems() if inplace else n
+            for n0 in range(0, n, chunk):
+                xc = x0[n0:n0 + chunk]
+                b = xc.shape[0]
+                if inplace:
+                    xc = _staged(xp, stage, xc)
+                xp.matmul(weight, xc.reshape(b, g, c // g, pix), out=y4[n0:n0 + b])
             if self.bias_term:
                 self._add_bias(xp, y0, p[1])
             return
@@ -297,21 +322,29 @@ class Convolution(Layer):
         gw3 = gw.reshape(g, o // g, self.cols) if gw is not None else None
         # the chunk size as declared by workspace()
         if self.pointwise:
-            chunk = ws["gwn"].shape[0] if "gwn" in ws else n
+            chunk = (ws["gwn"].shape[0] if "gwn" in ws else
+                     ws["stage"].size // self._stage_elems() if "stage" in ws else n)
         else:
             chunk = ws["col"].size // self._col_elems("backward")
         gwn = ws["gwn"].reshape(-1, g, o // g, self.cols) if gw is not None else None
         gwsum = ws["gwsum"].reshape(g, o // g, self.cols) if "gwsum" in ws else None
 
         if self.pointwise:
-            if gx0 is not None:
-                xp.matmul(weight.transpose(0, 2, 1), gy4, out=gx0.reshape(n, g, c // g, pix))
-            if gw is not None:
-                x4 = x[0].reshape(n, g, c // g, pix)
-                for n0 in range(0, n, chunk):
-                    b = min(chunk, n - n0)
-                    xp.matmul(gy4[n0:n0 + b], x4[n0:n0 + b].transpose(0, 1, 3, 2), out=gwn[:b])
+            # in place (gx over gy): each chunk of gy goes to the staging workspace first;
+            # x is read one chunk at a time (a Gist stash may decode it chunk by chunk)
+            stage = ws.get("stage")
+            inplace = gx0 is not None and stage is not None and xp.may_share_memory(gx0, gy0)
+            for n0 in range(0, n, chunk):
+                gyc = gy4[n0:n0 + chunk]
+                b = gyc.shape[0]
+                if inplace:
+                    gyc = _staged(xp, stage, gyc)
+                if gw is not None:
+                    xc = x[0][n0:n0 + b].reshape(b, g, c // g, pix)
+                    xp.matmul(gyc, xc.transpose(0, 1, 3, 2), out=gwn[:b])
                     self._accumulate(xp, gwn[:b], gw3, gwsum, n0 == 0)
+                if gx0 is not None:
+                    xp.matmul(weight.transpose(0, 2, 1), gyc, out=gx0[n0:n0 + b].reshape(b, g, c // g, pix))
             return
 
         col = ws["col"]
