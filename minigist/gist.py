@@ -27,8 +27,9 @@ from .codecs import Codec, GistConfig, registered_codec
 from .codecs.segmented import PerSample
 from .program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in
 
-# layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU
-_SPARSITY_PRESERVING = {"ReLU", "Concat", "Dropout", "Flatten", "Split"}
+# layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU (LRN too:
+# x * scale^-beta with scale >= k > 0 is zero exactly where x is)
+_SPARSITY_PRESERVING = {"ReLU", "Concat", "Dropout", "Flatten", "Split", "LRN"}
 
 
 @dataclass

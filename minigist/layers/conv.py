@@ -177,9 +177,10 @@ class Convolution(Layer):
         n = self.in_shape[0]
         if self.batch_chunk:
             return max(1, min(n, int(self.batch_chunk)))
-        # a chunk holds each sample's columns (1x1: its staged input) and, for the weight
-        # gradient, its own dW
-        elems = self._stage_elems() if self.pointwise else self._col_elems("backward")
+        # a chunk holds each sample's columns (1x1: its input, as staged in place or decoded
+        # from a Gist stash) and, for the weight gradient, its own dW
+        n, c, h, w = self.in_shape
+        elems = c * h * w if self.pointwise else self._col_elems("backward")
         if self.params[0].trained:
             elems = max(elems, self.num_output * self.cols)
         per_sample = elems * np.dtype(self.dtype).itemsize
