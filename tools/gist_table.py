@@ -3,7 +3,9 @@
 
     python tools/gist_table.py            # prints the markdown tables
 
-Networks at batch 64 and their ImageNet input sizes; allocation static and dynamic; for each,
+Networks at batch 64 and their ImageNet input sizes; the SGD update fused into the backward pass
+(train.py's default: each weight gradient freed once applied; the separate update's ratios are
+summarised after the tables); allocation static and dynamic; for each,
 the footprint under Gist none, lossless, lossy (FP16), all (FP16) and all (FP8-E4M3), the
 ratio to none under the same allocation, and the stash bytes by encoding. SSDC is planned from
 the densities that tools/measure_densities.py measured (models/densities/NAME.json), 5% above
@@ -36,13 +38,13 @@ def gib(nbytes):
     return f"{nbytes / 2**30:.2f}"
 
 
-def table(alloc, batch_size=64):
+def table(alloc, batch_size=64, update="fused"):
     rows, ratios = [], {}
     for name in PAPER + EXTRA:
         path = os.path.join(ROOT, "models", name + ".prototxt")
         density = densities(name)
         reports = {label: plan_footprint(path, batch_size=batch_size, alloc=alloc, gist=gist, dpr=dpr,
-                                         ssdc_density=density)
+                                         ssdc_density=density, update=update)
                    for label, gist, dpr in CONFIGS}
         base = reports["none"]["footprint_bytes"]
         cells = []
@@ -70,6 +72,13 @@ def main():
             print(f"\n{alloc}, {label}: paper's five networks average {sum(paper) / len(paper):.2f}x, "
                   f"max {max(paper):.2f}x; all seven max {max(ratios[label].values()):.2f}x", end="")
         print()
+    print("\n**With the SGD update after the whole backward pass** (`--update separate`, as Caffe; every "
+          "weight gradient live at once), static, batch 64\n")
+    rows, ratios = table("static", update="separate")
+    for label, _, _ in CONFIGS[1:]:
+        paper = [ratios[label][n] for n in PAPER]
+        print(f"- {label}: " + ", ".join(f"{n} {ratios[label][n]:.2f}x" for n in PAPER + EXTRA) +
+              f"; paper's five average {sum(paper) / len(paper):.2f}x, max {max(paper):.2f}x")
     print("\n**Stash bytes by encoding** (static, batch 64, MiB)\n")
     encodings = ["fp32", "relu-pool-4bit", "mask-1bit", "index-4bit", "ssdc", "ssdc-fp16", "fp16", "ssdc-fp8-e4m3",
                  "fp8-e4m3", "uint8", "bool", "dropped"]

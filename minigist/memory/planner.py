@@ -7,8 +7,8 @@
     planner.offset(a), planner.offset(b), planner.arena_size()    # 0, 0, 1024
 
 Two buffers may share bytes only if their lifetimes [first_use, last_use] are disjoint.
-Placement is greedy (each buffer in turn at the best-fitting gap between the buffers already
-placed that are live at the same time, else on top), tried under several orderings (largest
+Placement is greedy (each buffer in turn at the best-fitting or the lowest gap between the
+buffers already placed that are live at the same time, else on top), tried under several orderings (largest
 first, longest first, largest area first, greedy by breadth, the busiest step's buffers
 stacked first); the smallest arena wins. `lower_bound()` is the most bytes live at any one step: no plan can be
 smaller.
@@ -49,7 +49,10 @@ class StaticPlanner:
             best = max(best, live)
         return best
 
-    def _place(self, order):
+    def _place(self, order, first_fit=False):
+        """Offsets for the buffers in `order`, each in turn: in the smallest gap between the
+        buffers already placed and live at the same time that holds it (best fit), or in the
+        lowest such gap (first fit); on top when no gap holds it."""
         offsets = [None] * len(self.sizes)
         placed = []   # indices placed so far
         top = 0
@@ -57,13 +60,14 @@ class StaticPlanner:
             first, last, size = self.firsts[index], self.lasts[index], self.sizes[index]
             busy = sorted((offsets[j], offsets[j] + self.sizes[j]) for j in placed
                           if self.firsts[j] <= last and first <= self.lasts[j])
-            # best fit: the smallest gap that holds the buffer, else the end
             best_offset, best_gap = None, None
             cursor = 0
             for start, end in busy:
                 gap = start - cursor
                 if gap >= size and (best_gap is None or gap < best_gap):
                     best_offset, best_gap = cursor, gap
+                    if first_fit:
+                        break
                 cursor = max(cursor, end)
             offset = best_offset if best_offset is not None else cursor
             offsets[index] = offset
@@ -121,9 +125,10 @@ class StaticPlanner:
         ] + self._nested_orders()
         best = None
         for order in orders:
-            offsets, top = self._place(order)
-            if best is None or top < best[1]:
-                best = (offsets, top)
+            for first_fit in (False, True):
+                offsets, top = self._place(order, first_fit)
+                if best is None or top < best[1]:
+                    best = (offsets, top)
         self.offsets, self._arena_size = best
         return self
 
