@@ -94,8 +94,8 @@ def bind_step(step, arrays, xp, solver, stats=None):
             for role in (0, 1):     # x, y
                 bound[role] = [reader if n == name else a for n, a in zip(args[("x", "y")[role]], bound[role])]
         if step.variant == "mask":      # Gist: the ReLU's output arrives as its 1-bit mask, decoded
-            mask, gy, gx = bound[1][0], bound[2][0], bound[3][0]
-            return lambda: layer.backward_from_mask(xp, mask, gy, gx)
+            mask, gy, gx, ws = bound[1][0], bound[2][0], bound[3][0], bound[7]
+            return lambda: layer.backward_from_mask(xp, mask, gy, gx, ws)
         if step.variant == "identity":  # Gist: the fused pool code already zeroed the gradient
             gy, gx = bound[2][0], bound[3][0]
             return lambda: None if gx is gy or gx is None else xp.copyto(gx, gy)

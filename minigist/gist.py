@@ -263,7 +263,7 @@ class _Builder:
             args["ws"] = {}
         elif index in self.mask_relus and self.mask_relus[index] in renames:
             variant = "mask"
-            args["ws"] = {}
+            args["ws"] = {k: v for k, v in args["ws"].items() if k != "mask"}   # the decoded mask replaces it
         streams = self.streams.get(index)
         if streams:
             # the encoded parts and decode workspace are read by this step: part of its lifetime

@@ -372,3 +372,46 @@ def test_fused_update_places_each_update_after_its_backward(branchy):
         net.grads()
     with pytest.raises(minigist.MinigistError, match="--update"):
         minigist.Net(branchy, update="later")
+
+
+LEAKY = """
+name: "leaky"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 6 dim: 4 dim: 3 dim: 3 } shape { dim: 6 } } }
+layer { name: "fc1" type: "InnerProduct" bottom: "data" top: "h"
+  inner_product_param { num_output: 8 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "leaky" type: "ReLU" bottom: "h" top: "h" relu_param { negative_slope: 0.2 } }
+layer { name: "steep" type: "ReLU" bottom: "h" top: "h" relu_param { negative_slope: 1.5 } }
+layer { name: "fc2" type: "InnerProduct" bottom: "h" top: "out"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("gist", ["none", "lossless"])
+def test_leaky_relu_in_place_trains_like_out_of_place(tmp_path, gist):
+    """An in-place ReLU with negative_slope (static and dynamic share the bottom's bytes) must
+    compute max(x, slope x) from x, not from a half-overwritten top."""
+    path = tmp_path / "leaky.prototxt"
+    path.write_text(LEAKY)
+    data, label = batch(seed=3)
+    runs = {}
+    for alloc in ("none", "static", "dynamic"):
+        net = minigist.Net(path, alloc=alloc, dtype=np.float64, gist=gist, seed=1,
+                           solver=minigist.SGD(lr=0.1, momentum=0.9))
+        runs[alloc] = ([net.train_step(data, label) for _ in range(3)], net.state())
+    for alloc in ("static", "dynamic"):
+        assert runs[alloc][0] == runs["none"][0]
+        for key, value in runs["none"][1].items():
+            np.testing.assert_array_equal(runs[alloc][1][key], value, err_msg=f"{alloc} {key}")
+    # the reference itself: fc1 -> max(h, 0.2 h) -> max(h, 1.5 h) by hand, in float64
+    net = minigist.Net(path, alloc="none", dtype=np.float64, seed=1)
+    weights = {k: v.copy() for k, v in net.params().items()}
+    h = data.reshape(6, -1) @ weights["fc1.weight"].T + weights["fc1.bias"]
+    h = np.where(h > 0, h, 0.2 * h)
+    h = np.where(h > 0, h, 1.5 * h)
+    out = h @ weights["fc2.weight"].T + weights["fc2.bias"]
+    shifted = out - out.max(axis=1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    expected = -logp[np.arange(6), label.astype(int)].mean()
+    assert runs["none"][0][0] == pytest.approx(expected, rel=1e-12)

@@ -22,11 +22,12 @@ class ReLU(Layer):
         return True
 
     def workspace(self, phase):
+        ws = {}
         if phase == "backward":
-            return {"mask": TensorDecl(self.top_shapes[0], np.bool_)}
-        if self.slope != 0.0:   # slope * x, kept apart: y may be x itself (in place)
-            return {"scaled": TensorDecl(self.top_shapes[0])}
-        return {}
+            ws["mask"] = TensorDecl(self.top_shapes[0], np.bool_)
+        if self.slope != 0.0:   # slope * x (slope * gy), kept apart: y may be x (gx gy) itself
+            ws["scaled"] = TensorDecl(self.top_shapes[0])
+        return ws
 
     def forward(self, xp, x, y, p, saved, ws):
         if self.slope == 0.0:
@@ -45,15 +46,20 @@ class ReLU(Layer):
         for n0 in range(0, y0.shape[0], chunk):
             part = slice(n0, n0 + chunk)
             xp.greater(y0[part], 0, out=mask[part])
-            self.backward_from_mask(xp, mask[part], gy[0][part], gx[0][part])
+            self.backward_from_mask(xp, mask[part], gy[0][part], gx[0][part],
+                                    {k: v[part] for k, v in ws.items() if k == "scaled"})
 
-    def backward_from_mask(self, xp, mask, gy, gx):
-        """gx from the positive mask alone (the form Gist's Binarize codec stores)."""
+    def backward_from_mask(self, xp, mask, gy, gx, ws):
+        """gx from the positive mask alone (the form Gist's Binarize codec stores). gx may be
+        gy itself (in place); the mask is used up (inverted) when negative_slope > 0."""
         if self.slope == 0.0:
             xp.multiply(gy, mask, out=gx)
-        else:
-            xp.multiply(gy, self.slope, out=gx)
-            xp.copyto(gx, gy, where=mask)
+            return
+        scaled = ws["scaled"]
+        xp.multiply(gy, self.slope, out=scaled)
+        xp.copyto(gx, gy, where=mask)
+        xp.logical_not(mask, out=mask)
+        xp.copyto(gx, scaled, where=mask)
 
 
 @register
