@@ -183,7 +183,8 @@ def test_conv_workspace_is_bounded_by_chunk():
     layer = make_layer(conv_text("num_output: 8 kernel_size: 3 pad: 1"), [(16, 8, 10, 10)])
     layer.batch_chunk = 4
     col = layer.workspace("forward")["col"]
-    assert col.shape == (4 * 8 * 9 * 10 * 10,)
+    # stride-1 columns of the padded input are taken at its full width, 10 + 2
+    assert col.shape == (4 * 8 * 9 * 10 * 12,)
 
 
 @pytest.mark.parametrize("body, shape, message", [

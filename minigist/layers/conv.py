@@ -69,11 +69,12 @@ def _staged(xp, stage, src):
 
 
 def _im2col(xp, src, col, stride, dilation):
-    """col (b, C, kh, kw, OH, OW) <- the windows of src (b, C, Hs, Ws): one strided copy."""
+    """col (C, kh, kw, b, OH, Wc) <- the windows of src (b, C, Hs, Ws): one strided copy.
+    Wc is OW, or Ws for stride-1 columns at the source's full width (see `_x_pass`)."""
     s0, s1, s2, s3 = src.strides
     view = xp.lib.stride_tricks.as_strided(
         src, shape=col.shape,
-        strides=(s0, s1, dilation[0] * s2, dilation[1] * s3, stride[0] * s2, stride[1] * s3))
+        strides=(s1, dilation[0] * s2, dilation[1] * s3, s0, stride[0] * s2, stride[1] * s3))
     xp.copyto(col, view)
 
 
@@ -163,26 +164,50 @@ class Convolution(Layer):
         scatter = c * oh * ow * (o / g / 50.0 + 2.0 / 3.0)
         return transposed <= scatter
 
+    def _x_pass(self):
+        """(Wc, slack) of the im2col of x: the column width and the elements read past the
+        staged input's end. Stride-1 columns of a staged (padded) input are taken at its full
+        width Wp (`wide`): each (channel, kernel offset, sample) column is then one
+        contiguous run of OH*Wp elements of the flattened padded input, the fastest copy,
+        and the extra Wp - OW columns (garbage) are dropped from the GEMM's output and meet
+        zeros in gy for the weight gradient. The last row of the last channel reads up to
+        dw*(kw-1) elements past the input: the staging buffer holds that many zeros more."""
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        if self.pad != (0, 0) and sw == 1 and kw > 1:
+            return self._padded_hw()[1], dw * (kw - 1)
+        return self.out_hw[1], 0
+
+    def _gy_pass(self):
+        """(Wc, slack) of the im2col of the padded gy (the transposed input gradient)."""
+        qh, qw, hg, wg = self._gy_pad()
+        (kh, kw), (dh, dw) = self.kernel, self.dilation
+        if (qh, qw) != (0, 0) and kw > 1:
+            return wg, dw * (kw - 1)
+        return self.in_shape[3], 0
+
     def _col_elems(self, phase):
         """Elements of one sample's column buffer."""
         n, c, h, w = self.in_shape
         kh, kw = self.kernel
         oh, ow = self.out_hw
-        elems = c * kh * kw * oh * ow
+        elems = c * kh * kw * oh * self._x_pass()[0]
         if phase == "backward" and self.transposed_backward:
-            elems = max(elems, self.num_output * kh * kw * h * w)
+            elems = max(elems, self.num_output * kh * kw * h * self._gy_pass()[0])
         return elems
 
     def _chunk(self):
         n = self.in_shape[0]
         if self.batch_chunk:
             return max(1, min(n, int(self.batch_chunk)))
-        # a chunk holds each sample's columns (1x1: its input, as staged in place or decoded
-        # from a Gist stash) and, for the weight gradient, its own dW
         n, c, h, w = self.in_shape
-        elems = c * h * w if self.pointwise else self._col_elems("backward")
-        if self.params[0].trained:
-            elems = max(elems, self.num_output * self.cols)
+        if self.pointwise:
+            # the 1x1 path: each sample's input (staged in place, or decoded from a Gist
+            # stash) and its own dW
+            elems = c * h * w
+            if self.params[0].trained:
+                elems = max(elems, self.num_output * self.cols)
+        else:
+            elems = self._col_elems("backward")
         per_sample = elems * np.dtype(self.dtype).itemsize
         return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
 
@@ -212,63 +237,87 @@ class Convolution(Layer):
         b = self._chunk()
         o, g = self.num_output, self.group
         kh, kw = self.kernel
+        oh, ow = self.out_hw
         ws = {}
         # backward reads x only for the weight gradient (none when the weights are frozen)
         weight_grad = phase == "backward" and self.params[0].trained
-        if weight_grad:
-            ws["gwn"] = TensorDecl((b, o * self.cols))
-            if n > b:
-                ws["gwsum"] = TensorDecl((o * self.cols,))
         if self.pointwise:
             if self._stage_elems():
                 ws["stage"] = TensorDecl((b * self._stage_elems(),))
+            if weight_grad:
+                ws["gwn"] = TensorDecl((b, o * self.cols))
+                if n > b:
+                    ws["gwsum"] = TensorDecl((o * self.cols,))
             return ws
+        if weight_grad and n > b:
+            ws["gwsum"] = TensorDecl((o * self.cols,))
         ws["col"] = TensorDecl((b * self._col_elems(phase),))
+        wcx, slack = self._x_pass()
         hp, wp = self._padded_hw()
         if self.pad != (0, 0) and (phase == "forward" or weight_grad):
-            ws["xpad"] = TensorDecl((b, c, hp, wp))
-        if phase == "backward":
-            if self.transposed_backward:
-                qh, qw, hg, wg = self._gy_pad()
-                if (qh, qw) != (0, 0):
-                    ws["gypad"] = TensorDecl((b, o, hg, wg))
-                ws["wflip"] = TensorDecl((g, c // g, o // g, kh, kw))
-            elif self.pad != (0, 0):
-                ws["gxpad"] = TensorDecl((b, c, hp, wp))
+            ws["xpad"] = TensorDecl((b * c * hp * wp + slack,))
+        if phase == "forward":
+            ws["yfold"] = TensorDecl((o * b * oh * wcx,))
+            return ws
+        if weight_grad or not self.transposed_backward:
+            ws["gyfold"] = TensorDecl((o * b * oh * wcx,))
+        if self.transposed_backward:
+            qh, qw, hg, wg = self._gy_pad()
+            wcg, slack_g = self._gy_pass()
+            if (qh, qw) != (0, 0):
+                ws["gypad"] = TensorDecl((b * o * hg * wg + slack_g,))
+            ws["wflip"] = TensorDecl((g, c // g, o // g, kh, kw))
+            ws["gxfold"] = TensorDecl((c * b * h * wcg,))
+        elif self.pad != (0, 0):
+            ws["gxpad"] = TensorDecl((b, c, hp, wp))
         return ws
 
     # ---- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _stage(xp, flat, src, offset, hw, first):
+        """src (b, C, H, W) copied into the zero-bordered (b, C, Hd, Wd) front of the flat
+        buffer at `offset` (rows, cols; a negative offset crops src); the buffer's tail past its declared samples (the
+        wide columns' overrun) is zeroed with the border on the first chunk."""
+        b, c, h, w = src.shape
+        hd, wd = hw
+        per = c * hd * wd
+        cap = flat.size // per
+        full = flat[:cap * per].reshape(cap, c, hd, wd)
+        rows, src_rows = _overlap(offset[0], h, hd)
+        cols, src_cols = _overlap(offset[1], w, wd)
+        if first:   # the border (and the tail) stays zero for every chunk
+            _zero_outside(full, rows, cols)
+            flat[cap * per:].fill(0)
+        dst = full[:b]
+        xp.copyto(dst[:, :, rows, cols], src[:, :, src_rows, src_cols])
+        return dst
+
     def _stage_input(self, xp, xc, ws, first):
         """The (padded) input chunk the im2col view reads from."""
         if self.pad == (0, 0):
             return xc
-        n, c, h, w = self.in_shape
-        hp, wp = self._padded_hw()
-        xpad = ws["xpad"]
-        rows, cols = slice(self.pad[0], self.pad[0] + h), slice(self.pad[1], self.pad[1] + w)
-        if first:   # the border stays zero for every chunk
-            _zero_outside(xpad, rows, cols)
-        dst = xpad[:xc.shape[0]]
-        xp.copyto(dst[:, :, rows, cols], xc)
-        return dst
-
-    def _columns(self, xp, col, b, channels, hw):
-        """A (b, channels, kh, kw, H, W) view of the front of the flat col workspace."""
-        kh, kw = self.kernel
-        return col[:b * channels * kh * kw * hw[0] * hw[1]].reshape((b, channels, kh, kw) + hw)
-
-    def _add_bias(self, xp, yc, bias):
-        view = yc.reshape(yc.shape[0], self.num_output, -1)
-        xp.add(view, bias.reshape(1, -1, 1), out=view)
+        return self._stage(xp, ws["xpad"], xc, self.pad, self._padded_hw(), first)
 
     @staticmethod
-    def _accumulate(xp, gwn, gw, gwsum, first):
-        """gw (=|+=) sum of the per-sample weight gradients gwn over the chunk."""
-        if first:
-            xp.sum(gwn, axis=0, out=gw)
+    def _unfold(xp, fold, yc, bias):
+        """yc (b, O, OH, OW) (=|+ bias) <- fold (O, b, OH, Wc)[..., :OW], one pass."""
+        src = fold[..., :yc.shape[3]].transpose(1, 0, 2, 3)
+        if bias is None:
+            xp.copyto(yc, src)
         else:
-            xp.sum(gwn, axis=0, out=gwsum)
-            xp.add(gw, gwsum, out=gw)
+            xp.add(src, bias.reshape(1, -1, 1, 1), out=yc)
+
+    @staticmethod
+    def _fold(xp, gyc, flat, wc, first):
+        """(O, b, OH, Wc) view of the flat buffer <- gyc (b, O, OH, OW), the garbage columns
+        zero (`first`: zero them; a chunk of another size views the buffer differently, so
+        they are zeroed again then)."""
+        b, o, oh, ow = gyc.shape
+        view = flat[:o * b * oh * wc].reshape(o, b, oh, wc)
+        if wc > ow and first:
+            view[..., ow:].fill(0)
+        xp.copyto(view[..., :ow], gyc.transpose(1, 0, 2, 3))
+        return view
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, xp, x, y, p, saved, ws):
@@ -278,31 +327,36 @@ class Convolution(Layer):
         oh, ow = self.out_hw
         pix = oh * ow
         weight = p[0].reshape(g, o // g, self.cols)
-        y4 = y0.reshape(n, g, o // g, pix)
+        bias = p[1] if self.bias_term else None
         if self.pointwise:
             # in place (y over x): each chunk of x goes to the staging workspace first
             stage = ws.get("stage")
             inplace = stage is not None and xp.may_share_memory(x0, y0)
             chunk = stage.size // self._stage_elems() if inplace else n
+            y4 = y0.reshape(n, g, o // g, pix)
             for n0 in range(0, n, chunk):
                 xc = x0[n0:n0 + chunk]
                 b = xc.shape[0]
                 if inplace:
                     xc = _staged(xp, stage, xc)
                 xp.matmul(weight, xc.reshape(b, g, c // g, pix), out=y4[n0:n0 + b])
-            if self.bias_term:
-                self._add_bias(xp, y0, p[1])
+            if bias is not None:
+                view = y0.reshape(n, o, pix)
+                xp.add(view, bias.reshape(1, -1, 1), out=view)
             return
-        col = ws["col"]
+        kh, kw = self.kernel
+        wc = self._x_pass()[0]
+        col, yfold = ws["col"], ws["yfold"]
         chunk = col.size // self._col_elems("forward")    # as declared by workspace()
         for n0 in range(0, n, chunk):
             b = min(chunk, n - n0)
+            width = b * oh * wc
             src = self._stage_input(xp, x0[n0:n0 + b], ws, n0 == 0)
-            cols = self._columns(xp, col, b, c, (oh, ow))
+            cols = col[:c * kh * kw * width].reshape(c, kh, kw, b, oh, wc)
             _im2col(xp, src, cols, self.stride, self.dilation)
-            xp.matmul(weight, cols.reshape(b, g, self.cols, pix), out=y4[n0:n0 + b])
-            if self.bias_term:
-                self._add_bias(xp, y0[n0:n0 + b], p[1])
+            fold = yfold[:o * width].reshape(g, o // g, width)
+            xp.matmul(weight, cols.reshape(g, self.cols, width), out=fold)
+            self._unfold(xp, fold.reshape(o, b, oh, wc), y0[n0:n0 + b], bias)
 
     # ---- backward -----------------------------------------------------------------------
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
@@ -319,20 +373,16 @@ class Convolution(Layer):
         if gw is None and gx0 is None:
             return
         weight = p[0].reshape(g, o // g, self.cols)
-        gy4 = gy0.reshape(n, g, o // g, pix)
         gw3 = gw.reshape(g, o // g, self.cols) if gw is not None else None
-        # the chunk size as declared by workspace()
-        if self.pointwise:
-            chunk = (ws["gwn"].shape[0] if "gwn" in ws else
-                     ws["stage"].size // self._stage_elems() if "stage" in ws else n)
-        else:
-            chunk = ws["col"].size // self._col_elems("backward")
-        gwn = ws["gwn"].reshape(-1, g, o // g, self.cols) if gw is not None else None
         gwsum = ws["gwsum"].reshape(g, o // g, self.cols) if "gwsum" in ws else None
 
         if self.pointwise:
             # in place (gx over gy): each chunk of gy goes to the staging workspace first;
             # x is read one chunk at a time (a Gist stash may decode it chunk by chunk)
+            gy4 = gy0.reshape(n, g, o // g, pix)
+            chunk = (ws["gwn"].shape[0] if "gwn" in ws else
+                     ws["stage"].size // self._stage_elems() if "stage" in ws else n)
+            gwn = ws["gwn"].reshape(-1, g, o // g, self.cols) if gw is not None else None
             stage = ws.get("stage")
             inplace = gx0 is not None and stage is not None and xp.may_share_memory(gx0, gy0)
             for n0 in range(0, n, chunk):
@@ -343,55 +393,68 @@ class Convolution(Layer):
                 if gw is not None:
                     xc = x[0][n0:n0 + b].reshape(b, g, c // g, pix)
                     xp.matmul(gyc, xc.transpose(0, 1, 3, 2), out=gwn[:b])
-                    self._accumulate(xp, gwn[:b], gw3, gwsum, n0 == 0)
+                    if n0 == 0:
+                        xp.sum(gwn[:b], axis=0, out=gw3)
+                    else:
+                        xp.sum(gwn[:b], axis=0, out=gwsum)
+                        xp.add(gw3, gwsum, out=gw3)
                 if gx0 is not None:
                     xp.matmul(weight.transpose(0, 2, 1), gyc, out=gx0[n0:n0 + b].reshape(b, g, c // g, pix))
             return
 
         col = ws["col"]
+        chunk = col.size // self._col_elems("backward")    # as declared by workspace()
         h, w = self.in_shape[2:]
         kh, kw = self.kernel
-        if gx0 is not None and self.transposed_backward:
+        wc = self._x_pass()[0]
+        transposed = gx0 is not None and self.transposed_backward
+        if transposed:
             wflip = ws["wflip"]
             # wflip[g, c, o, i, j] = W[g*O/g + o, c, kh-1-i, kw-1-j]
             xp.copyto(wflip, p[0].reshape(g, o // g, c // g, kh, kw)[:, :, :, ::-1, ::-1]
                       .transpose(0, 2, 1, 3, 4))
             wflip3 = wflip.reshape(g, c // g, (o // g) * kh * kw)
             qh, qw, hg, wg = self._gy_pad()
-            gy_rows, gy_src_rows = _overlap(qh, oh, hg)
-            gy_cols, gy_src_cols = _overlap(qw, ow, wg)
+            wcg = self._gy_pass()[0]
+        previous = None
         for n0 in range(0, n, chunk):
             b = min(chunk, n - n0)
-            gyc = gy4[n0:n0 + b]
+            width = b * oh * wc
+            gyc = gy0[n0:n0 + b]
+            gyf = None
+            if gw is not None or (gx0 is not None and not transposed):
+                # gy as (O, b*OH*Wc), read before gx (which may share gy's bytes) is written
+                gyf = self._fold(xp, gyc, ws["gyfold"], wc, b != previous)
+                previous = b
+                gyf = gyf.reshape(g, o // g, width)
             if gw is not None:
                 src = self._stage_input(xp, x[0][n0:n0 + b], ws, n0 == 0)
-                cols = self._columns(xp, col, b, c, (oh, ow))
+                cols = col[:c * kh * kw * width].reshape(c, kh, kw, b, oh, wc)
                 _im2col(xp, src, cols, self.stride, self.dilation)
-                xp.matmul(gyc, cols.reshape(b, g, self.cols, pix).transpose(0, 1, 3, 2),
-                          out=gwn[:b])
-                self._accumulate(xp, gwn[:b], gw3, gwsum, n0 == 0)
+                target = gw3 if n0 == 0 else gwsum
+                xp.matmul(gyf, cols.reshape(g, self.cols, width).transpose(0, 2, 1), out=target)
+                if n0:
+                    xp.add(gw3, gwsum, out=gw3)
             if gx0 is None:
                 continue
             gxc = gx0[n0:n0 + b]
-            if self.transposed_backward:
+            if transposed:
                 # gx = conv(gy padded by d(k-1)-p, flipped W^T), stride 1, same dilation
                 if "gypad" in ws:
-                    gypad = ws["gypad"]
-                    if n0 == 0:
-                        _zero_outside(gypad, gy_rows, gy_cols)
-                    src = gypad[:b]
-                    xp.copyto(src[:, :, gy_rows, gy_cols],
-                              gy0[n0:n0 + b, :, gy_src_rows, gy_src_cols])
+                    src = self._stage(xp, ws["gypad"], gyc, (qh, qw), (hg, wg), n0 == 0)
                 else:
-                    src = gy0[n0:n0 + b]
-                cols = self._columns(xp, col, b, o, (h, w))
+                    src = gyc
+                gwidth = b * h * wcg
+                cols = col[:o * kh * kw * gwidth].reshape(o, kh, kw, b, h, wcg)
                 _im2col(xp, src, cols, (1, 1), self.dilation)
-                xp.matmul(wflip3, cols.reshape(b, g, (o // g) * kh * kw, h * w),
-                          out=gxc.reshape(b, g, c // g, h * w))
+                fold = ws["gxfold"][:c * gwidth].reshape(g, c // g, gwidth)
+                xp.matmul(wflip3, cols.reshape(g, (o // g) * kh * kw, gwidth), out=fold)
+                self._unfold(xp, fold.reshape(c, b, h, wcg), gxc, None)
             else:
                 # columns W^T gy, scattered back with one strided add per kernel offset
-                cols = self._columns(xp, col, b, c, (oh, ow))
-                xp.matmul(weight.transpose(0, 2, 1), gyc, out=cols.reshape(b, g, self.cols, pix))
+                cols = col[:c * kh * kw * width].reshape(g, self.cols, width)
+                xp.matmul(weight.transpose(0, 2, 1), gyf, out=cols)
+                cols = cols.reshape(c, kh, kw, b, oh, wc)
                 if self.pad != (0, 0):
                     target = ws["gxpad"][:b]
                 else:
@@ -402,7 +465,7 @@ class Convolution(Layer):
                     for j in range(kw):
                         dst = target[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh,
                                      j * dw:j * dw + sw * (ow - 1) + 1:sw]
-                        xp.add(dst, cols[:, :, i, j], out=dst)
+                        xp.add(dst, cols[:, i, j, :, :, :ow].transpose(1, 0, 2, 3), out=dst)
                 if self.pad != (0, 0):
                     xp.copyto(gxc, target[:, :, self.pad[0]:self.pad[0] + h,
                                           self.pad[1]:self.pad[1] + w])
