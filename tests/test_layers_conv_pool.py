@@ -539,3 +539,28 @@ def test_conv_in_place_gives_the_out_of_place_bits(body, chunk):
     np.testing.assert_allclose(grad, ref_gx, rtol=1e-12, atol=1e-12)
     for got, want in zip(gp, ref_gp):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
+def test_conv_weight_gradient_added_in_row_blocks(case):
+    """Later chunks add their weight gradient a few output rows at a time (a small workspace,
+    not a second dW): same gradients as one chunk."""
+    body, shape, stride, pad, dilation, group, bias = case
+    rng = np.random.default_rng(16)
+    shape = (3,) + shape[1:]
+    x = rng.standard_normal(shape)
+    reference = LayerRun(make_layer(conv_text(body), [shape]))
+    gy = rng.standard_normal(reference.forward([x])[0].shape)
+    (ref_gx,), ref_gp = reference.backward([gy])
+    layer = make_layer(conv_text(body), [shape])
+    layer.batch_chunk = 1
+    layer.gw_block_bytes = 1        # one output row per block
+    run = LayerRun(layer)
+    run.params = [p.copy() for p in reference.params]
+    run.forward([x])
+    (gx,), gp = run.backward([gy])
+    if not layer.pointwise:
+        assert layer.workspace("backward")["gwsum"].shape == (group, 1, layer.cols)
+    np.testing.assert_allclose(gx, ref_gx, rtol=1e-12, atol=1e-12)
+    for got, want in zip(gp, ref_gp):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -83,6 +83,7 @@ class Convolution(Layer):
     type = "Convolution"
     param_field = "convolution_param"
     chunk_bytes = 8 << 20       # target size of one chunk's im2col columns
+    gw_block_bytes = 1 << 20    # target size of the partial weight gradient of a later chunk
 
     def setup(self, bottom_shapes):
         p = self.p
@@ -211,6 +212,12 @@ class Convolution(Layer):
         per_sample = elems * np.dtype(self.dtype).itemsize
         return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
 
+    def _gw_rows(self):
+        """Output rows (per group) of the weight gradient that a later chunk computes at a
+        time before adding them in: a block of about gw_block_bytes, not a second dW."""
+        per_row = self.group * self.cols * np.dtype(self.dtype).itemsize
+        return max(1, min(self.num_output // self.group, self.gw_block_bytes // per_row))
+
     def _stage_elems(self):
         """Elements of one sample in the 1x1 path's staging workspace: where a chunk of x (gy)
         goes before y (gx) is written over it in place; none when shapes rule that out."""
@@ -250,7 +257,7 @@ class Convolution(Layer):
                     ws["gwsum"] = TensorDecl((o * self.cols,))
             return ws
         if weight_grad and n > b:
-            ws["gwsum"] = TensorDecl((o * self.cols,))
+            ws["gwsum"] = TensorDecl((g, self._gw_rows(), self.cols))
         ws["col"] = TensorDecl((b * self._col_elems(phase),))
         wcx, slack = self._x_pass()
         hp, wp = self._padded_hw()
@@ -374,7 +381,7 @@ class Convolution(Layer):
             return
         weight = p[0].reshape(g, o // g, self.cols)
         gw3 = gw.reshape(g, o // g, self.cols) if gw is not None else None
-        gwsum = ws["gwsum"].reshape(g, o // g, self.cols) if "gwsum" in ws else None
+        gwsum = ws.get("gwsum")
 
         if self.pointwise:
             # in place (gx over gy): each chunk of gy goes to the staging workspace first;
@@ -396,8 +403,9 @@ class Convolution(Layer):
                     if n0 == 0:
                         xp.sum(gwn[:b], axis=0, out=gw3)
                     else:
-                        xp.sum(gwn[:b], axis=0, out=gwsum)
-                        xp.add(gw3, gwsum, out=gw3)
+                        partial = gwsum.reshape(g, o // g, self.cols)
+                        xp.sum(gwn[:b], axis=0, out=partial)
+                        xp.add(gw3, partial, out=gw3)
                 if gx0 is not None:
                     xp.matmul(weight.transpose(0, 2, 1), gyc, out=gx0[n0:n0 + b].reshape(b, g, c // g, pix))
             return
@@ -431,10 +439,15 @@ class Convolution(Layer):
                 src = self._stage_input(xp, x[0][n0:n0 + b], ws, n0 == 0)
                 cols = col[:c * kh * kw * width].reshape(c, kh, kw, b, oh, wc)
                 _im2col(xp, src, cols, self.stride, self.dilation)
-                target = gw3 if n0 == 0 else gwsum
-                xp.matmul(gyf, cols.reshape(g, self.cols, width).transpose(0, 2, 1), out=target)
-                if n0:
-                    xp.add(gw3, gwsum, out=gw3)
+                colsT = cols.reshape(g, self.cols, width).transpose(0, 2, 1)
+                if n0 == 0:
+                    xp.matmul(gyf, colsT, out=gw3)
+                else:   # added in by blocks of output rows
+                    rows = gwsum.shape[1]
+                    for r0 in range(0, o // g, rows):
+                        part = gwsum[:, :min(rows, o // g - r0)]
+                        xp.matmul(gyf[:, r0:r0 + rows], colsT, out=part)
+                        xp.add(gw3[:, r0:r0 + rows], part, out=gw3[:, r0:r0 + rows])
             if gx0 is None:
                 continue
             gxc = gx0[n0:n0 + b]
