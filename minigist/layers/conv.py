@@ -3,24 +3,32 @@
 Arrays (x, y, gy, gx, weights) come from the executor; every tensor-sized temporary is a
 declared workspace:
 
-- `col`: the im2col columns of a chunk of `B` samples, laid out (b, C, kh, kw, OH, OW) so that
-  one batched matmul of W (g, O/g, C/g*kh*kw) against col (b, g, C/g*kh*kw, OH*OW) writes
-  straight into y viewed as (b, g, O/g, OH*OW);
-- `xpad`: the zero-padded input chunk the im2col view reads from (only with pad > 0);
-- backward: `gwn` (per-sample weight gradients of a chunk, summed over the chunk by one
-  reduction) and `gwsum` (the sum of a later chunk), both only for trained weights; for the
-  input gradient either `gypad` + `wflip` (stride 1, where a cost model finds it cheaper:
-  gx is the stride-1 convolution of the padded gy with the flipped, transposed weights, so
-  no col2im scatter is needed) or `gxpad` (any stride: the columns W^T gy scattered back by
-  one strided add per kernel offset). The backward re-does the im2col of x, as Caffe does.
+- `col`: the im2col columns of a chunk of `b` samples, laid out (C, kh, kw, b, OH, Wc), so
+  that one GEMM per group, W (O/g, C/g*kh*kw) against (C/g*kh*kw, b*OH*Wc), covers the whole
+  chunk; `yfold` takes its (O, b, OH, Wc) result before the bias is added on the way into y.
+  Wc is OW, or the padded width for stride-1 columns of a padded input: each column is then
+  one contiguous copy, and the extra columns are dropped (`_x_pass`);
+- `xpad`: the zero-padded input chunk the im2col view reads from (only with pad > 0), flat,
+  with the few zeros more that the wide columns read past its end;
+- backward: `gyfold` (gy of a chunk as (O, b, OH, Wc)); `gwsum` (a later chunk's weight
+  gradient, computed a block of output rows at a time and added in: `gw_block_bytes`, not a
+  second dW); for the input gradient either `gypad` + `wflip` + `gxfold` (stride 1, where a
+  cost model finds it cheaper: gx is the stride-1 convolution of the padded gy with the
+  flipped, transposed weights, no col2im scatter) or `gxpad` (any stride: the columns W^T gy
+  scattered back by one strided add per kernel offset). The backward re-does the im2col of
+  x, as Caffe does, reading x one chunk at a time (a Gist stash decodes chunk by chunk).
 
-The chunk size B is chosen so that one chunk's columns take about `chunk_bytes` (at least
+The chunk size b is chosen so that one chunk's columns take about `chunk_bytes` (at least
 one sample): it keeps the columns in cache between the copy and the GEMM on a CPU and bounds
 the workspace (Caffe itself works one sample at a time). Set the instance attribute
 `batch_chunk` (an int) before asking for workspaces to force a chunk size, e.g. the whole
 batch on a GPU; forward and backward take the chunk size from the workspace they are handed.
 
-A 1x1 convolution with stride 1 and no padding needs no im2col: x itself is the column matrix.
+A 1x1 convolution with stride 1 and no padding needs no im2col: x itself is the column
+matrix. It runs per-sample GEMMs (folding the batch cost two transposing copies, measured
+slower), sums the per-sample weight gradients of a chunk (`gwn`), and, when input and output
+have one shape, works in place through `stage`: each chunk of x (gy) is copied there before
+the same chunk of y (gx) is written over it.
 """
 import numpy as np
 
