@@ -275,8 +275,9 @@ class _Builder:
     # ---- streaming ----------------------------------------------------------------------
     def stream_chunk(self, name, codec):
         """Samples per slice when every backward reader of `name` can read it slice by slice
-        (a layer whose `stream_chunk()` is positive reading it as its first input: a
-        convolution, an LRN; a ReLU's output), for a codec of values (SSDC, DPR); else 0."""
+        (a layer whose `stream_chunk()` is positive reading it as its first input, or top for
+        `stream_role` "y": a convolution, an LRN, a Scale, a BatchNorm's x_hat; a ReLU's
+        output), for a codec of values (SSDC, DPR); else 0."""
         if not isinstance(codec, (self.SSDC, self.DPR)) or not name.startswith("blob:"):
             return 0
         if self.program.buffers[name].shape[0] != self.graph.batch_size:
@@ -285,8 +286,8 @@ class _Builder:
         for index in self.readers[name]:
             step = self.steps[index]
             layer = step.layer
-            if step.args["x"] and step.args["x"][0] == name and name not in step.args["x"][1:] \
-                    and layer.stream_chunk() > 0:
+            role = step.args.get(layer.stream_role) or []
+            if role and role[0] == name and name not in role[1:] and layer.stream_chunk() > 0:
                 chunk = max(chunk, layer.stream_chunk())
             elif layer.type == "ReLU" and step.args["y"][0] == name and index not in self.mask_relus \
                     and index not in self.identity_relus:

@@ -150,7 +150,8 @@ def test_scale_defaults_and_forward():
     assert layer.params[0].shape == (3,)
     assert layer.params[0].filler["type"] == "constant" and layer.params[0].filler["value"] == 1.0
     assert layer.keeps_bottoms == (0,) and layer.keeps_tops == ()
-    assert not layer.inplace_safe(0, 0)
+    # in place is the planner's call: it lets y overwrite x only where no later step reads x
+    assert layer.inplace_safe(0, 0) and layer.stream_chunk() == 2
     run = LayerRun(layer)
     np.testing.assert_array_equal(run.params[0], np.ones(3))
     run.params[0][:] = [0.5, -2.0, 3.0]
@@ -309,3 +310,41 @@ def test_batchnorm_accepts_zero_lr_mult_params():
     layer = make_layer(bn_text("param { lr_mult: 0 } param { lr_mult: 0 } param { lr_mult: 0 }"),
                        [(2, 3)])
     assert all(p.lr_mult == 0 for p in layer.params)
+
+
+@pytest.mark.parametrize("chunk_samples", [1, 2, 5])
+@pytest.mark.parametrize("kind", ["bn", "scale"])
+def test_bn_and_scale_chunks_in_place(kind, chunk_samples):
+    """Chunk-sized workspaces; y over x and gx over gy give the whole-batch results."""
+    shape = (5, 3, 2, 4)
+    rng = np.random.default_rng(17)
+    x, gy = rng.standard_normal(shape), rng.standard_normal(shape)
+    text = bn_text() if kind == "bn" else scale_text("bias_term: true")
+    reference = LayerRun(make_layer(text, [shape]))
+    ref_y = reference.forward([x])[0]
+    (ref_gx,), ref_gp = reference.backward([gy])
+    layer = make_layer(text, [shape])
+    layer.chunk_bytes = chunk_samples * 3 * 2 * 4 * 8
+    assert layer.stream_chunk() == chunk_samples and layer.inplace_safe(0, 0)
+    ws = {phase: {k: np.empty(d.shape, d.dtype or np.float64) for k, d in layer.workspace(phase).items()}
+          for phase in ("forward", "backward")}
+    params = [p.copy() for p in reference.params]
+    params_before = [p.copy() for p in LayerRun(make_layer(text, [shape])).params]
+    if kind == "bn":
+        params = params_before
+    saved = {k: np.empty(d.shape, d.dtype or np.float64) for k, d in layer.saved.items()}
+    inplace = x.copy()
+    layer.forward(np, [inplace], [inplace], params, saved, ws["forward"])
+    np.testing.assert_allclose(inplace, ref_y, rtol=1e-12, atol=1e-12)
+    if kind == "bn":
+        for got, want in zip(params, reference.params):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    grad = gy.copy()
+    gp = [np.empty_like(p) if d.trained else None for p, d in zip(params, layer.params)]
+    keep_x = [x] if layer.keeps_bottoms else [None]
+    keep_y = [ref_y] if layer.keeps_tops else [None]
+    layer.backward(np, keep_x, keep_y, [grad], [grad], params, gp, saved, ws["backward"])
+    np.testing.assert_allclose(grad, ref_gx, rtol=1e-12, atol=1e-12)
+    for got, want in zip(gp, ref_gp):
+        if want is not None:
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

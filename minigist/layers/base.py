@@ -125,10 +125,12 @@ class Layer:
     def has_backward(self):
         return True
 
+    stream_role = "x"   # which stash stream_chunk() is about: the first bottom, or "y" the top
+
     def stream_chunk(self):
-        """Samples of its first bottom the backward reads at a time, in order, as
-        x[0][n0:n0 + b] and nothing else (so a stash encoded per sample can be decoded one
-        slice at a time); 0: the backward reads x[0] whole."""
+        """Samples of its first bottom (top, with stream_role "y") the backward reads at a
+        time, as x[0][n0:n0 + b] slices of at most b samples and nothing else (so a stash
+        encoded per sample can be decoded one slice at a time); 0: it reads x[0] whole."""
         return 0
 
     def inplace_safe(self, bottom_index, top_index):

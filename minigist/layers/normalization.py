@@ -72,15 +72,29 @@ class BatchNorm(Layer):
             self.saved = {"inv_std": TensorDecl((channels,))}
         return [tuple(shape)]
 
+    chunk_bytes = 4 << 20       # target size of one chunk-sized workspace
+    stream_role = "y"           # the backward reads its top (x_hat), one chunk at a time
+
     def inplace_safe(self, bottom_index, top_index):
-        # forward reads x before writing y element-wise; backward reads only y, gy and
-        # per-channel values, and writes gx element-wise last.
+        # both passes go chunk by chunk and write each chunk of y (gx) element-wise after
+        # reading the same chunk of x (gy)
         return True
+
+    def stream_chunk(self):
+        """Samples of y the backward reads at a time (y[0][n0:n0 + b], twice: one pass for
+        the sums, one for gx)."""
+        if self.use_global:
+            return 0
+        n, c, s = self.shape3
+        per_sample = c * s * np.dtype(self.dtype).itemsize
+        return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
 
     def workspace(self, phase):
         if self.use_global:
             return {}
-        return {"square" if phase == "forward" else "product": TensorDecl(self.shape3)}
+        n, c, s = self.shape3
+        return {"square" if phase == "forward" else "product": TensorDecl((self.stream_chunk(), c, s)),
+                "sums": TensorDecl((3, c))}   # per-channel totals and a chunk's part
 
     def _global_stats(self, xp, p):
         """Per-channel (mean, inv_std) from the running sums, Caffe's 0 -> 0 factor included."""
@@ -93,6 +107,15 @@ class BatchNorm(Layer):
         xp.reciprocal(inv_std, out=inv_std)
         return mean.astype(self.dtype, copy=False), inv_std.astype(self.dtype, copy=False)
 
+    @staticmethod
+    def _channel_sum(xp, values, total, part, first):
+        """total (=|+=) the per-channel sum of the chunk values (b, C, S)."""
+        if first:
+            xp.sum(values, axis=(0, 2), out=total)
+        else:
+            xp.sum(values, axis=(0, 2), out=part)
+            xp.add(total, part, out=total)
+
     def forward(self, xp, x, y, p, saved, ws):
         x3 = x[0].reshape(self.shape3)
         y3 = y[0].reshape(self.shape3)
@@ -103,16 +126,21 @@ class BatchNorm(Layer):
             return
         n, _, s = self.shape3
         m = n * s
-        mean = xp.mean(x3, axis=(0, 2))
-        xp.subtract(x3, mean[:, None], out=y3)          # y may be x: x is read first
-        square = ws["square"]
-        xp.multiply(y3, y3, out=square)
-        var = xp.mean(square, axis=(0, 2))
-        inv_std = saved["inv_std"]
-        xp.add(var, self.eps, out=inv_std)
-        xp.sqrt(inv_std, out=inv_std)
-        xp.reciprocal(inv_std, out=inv_std)
-        xp.multiply(y3, inv_std[:, None], out=y3)
+        square, sums = ws["square"], ws["sums"]
+        chunk = square.shape[0]
+        starts = range(0, n, chunk)
+        mean, part = sums[0], sums[1]
+        for n0 in starts:
+            self._channel_sum(xp, x3[n0:n0 + chunk], mean, part, n0 == 0)
+        xp.divide(mean, m, out=mean)
+        var = saved["inv_std"]
+        for n0 in starts:
+            yc = y3[n0:n0 + chunk]
+            xp.subtract(x3[n0:n0 + chunk], mean[:, None], out=yc)     # y may be x: read first
+            sq = square[:yc.shape[0]]
+            xp.multiply(yc, yc, out=sq)
+            self._channel_sum(xp, sq, var, part, n0 == 0)
+        xp.divide(var, m, out=var)
         # running sums, exactly as Caffe: s = s*maf + 1, mean = mean*maf + mean_b,
         # variance = variance*maf + var_b * m/(m-1)
         p[2] *= self.maf
@@ -121,8 +149,14 @@ class BatchNorm(Layer):
         p[0] += mean
         correction = m / (m - 1) if m > 1 else 1.0
         p[1] *= self.maf
-        var *= correction
-        p[1] += var
+        p[1] += var * correction
+        inv_std = var
+        xp.add(var, self.eps, out=inv_std)
+        xp.sqrt(inv_std, out=inv_std)
+        xp.reciprocal(inv_std, out=inv_std)
+        for n0 in starts:
+            yc = y3[n0:n0 + chunk]
+            xp.multiply(yc, inv_std[:, None], out=yc)
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
@@ -133,16 +167,33 @@ class BatchNorm(Layer):
             _, inv_std = self._global_stats(xp, p)
             xp.multiply(gy3, inv_std[:, None], out=gx3)
             return
-        # gx = inv_std * (gy - mean(gy) - y * mean(gy * y)); gx may be gy (in place)
-        y3 = y[0].reshape(self.shape3)
-        product = ws["product"]
-        xp.multiply(gy3, y3, out=product)
-        mean_gy_y = xp.mean(product, axis=(0, 2))
-        mean_gy = xp.mean(gy3, axis=(0, 2))
-        xp.multiply(y3, mean_gy_y[:, None], out=product)
-        xp.subtract(gy3, product, out=gx3)
-        xp.subtract(gx3, mean_gy[:, None], out=gx3)
-        xp.multiply(gx3, saved["inv_std"][:, None], out=gx3)
+        # gx = inv_std * (gy - mean(gy) - y * mean(gy * y)); gx may be gy (in place). Two
+        # passes over chunks: the two per-channel means, then gx; y may be a stash decoded
+        # one chunk at a time (read twice)
+        n, c, s = self.shape3
+        m = n * s
+        product, sums = ws["product"], ws["sums"]
+        chunk = product.shape[0]
+        starts = range(0, n, chunk)
+        mean_gy_y, mean_gy, part = sums[0], sums[1], sums[2]
+        for n0 in starts:
+            yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
+            gyc = gy3[n0:n0 + chunk]
+            pc = product[:yc.shape[0]]
+            xp.multiply(gyc, yc, out=pc)
+            self._channel_sum(xp, pc, mean_gy_y, part, n0 == 0)
+            self._channel_sum(xp, gyc, mean_gy, part, n0 == 0)
+        xp.divide(mean_gy_y, m, out=mean_gy_y)
+        xp.divide(mean_gy, m, out=mean_gy)
+        inv_std = saved["inv_std"][:, None]
+        for n0 in starts:
+            yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
+            gxc = gx3[n0:n0 + chunk]
+            pc = product[:yc.shape[0]]
+            xp.multiply(yc, mean_gy_y[:, None], out=pc)
+            xp.subtract(gy3[n0:n0 + chunk], pc, out=gxc)
+            xp.subtract(gxc, mean_gy[:, None], out=gxc)
+            xp.multiply(gxc, inv_std, out=gxc)
 
 
 @register
@@ -190,13 +241,30 @@ class Scale(Layer):
         self.keeps_bottoms = (0,) if self.scale_trained else ()
         return [shape]
 
+    chunk_bytes = 4 << 20       # target size of the backward's chunk-sized workspace
+
     def inplace_safe(self, bottom_index, top_index):
-        # backward needs x itself only for the scale's gradient
-        return not self.scale_trained
+        # forward is element-wise; backward reads each chunk of gy (and x) before writing the
+        # same chunk of gx. (With a trained scale x is kept for the backward, so the planner
+        # lets y overwrite x only when x is read from elsewhere then: a Gist stash.)
+        return True
+
+    def stream_chunk(self):
+        """Samples of x the backward reads at a time (x[0][n0:n0 + b]); 0 when the scale is
+        not trained (x is not read) or the layer's outer axis is not the batch."""
+        outer, count, inner = self.shape3
+        if not self.scale_trained or len(self.shape) < 2 or outer != self.shape[0]:
+            return 0
+        per_sample = count * inner * np.dtype(self.dtype).itemsize
+        return max(1, min(outer, self.chunk_bytes // max(per_sample, 1)))
+
+    def _chunk(self):
+        return self.stream_chunk() or self.shape3[0]
 
     def workspace(self, phase):
         if phase == "backward" and self.scale_trained:
-            return {"product": TensorDecl(self.shape)}
+            outer, count, inner = self.shape3
+            return {"product": TensorDecl((self._chunk(), count, inner)), "part": TensorDecl((count,))}
         return {}
 
     def forward(self, xp, x, y, p, saved, ws):
@@ -205,15 +273,35 @@ class Scale(Layer):
             xp.add(y[0], p[1].reshape(self.bcast), out=y[0])
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
-        # parameter gradients first: gx may share memory with gy when the layer runs in place
-        if gp[0] is not None:
-            product = ws["product"]
-            xp.multiply(gy[0], x[0], out=product)
-            xp.sum(product.reshape(self.shape3), axis=(0, 2), out=gp[0].reshape(-1))
-        if self.bias_term and gp[1] is not None:
-            xp.sum(gy[0].reshape(self.shape3), axis=(0, 2), out=gp[1].reshape(-1))
-        if gx[0] is not None:
-            xp.multiply(gy[0], p[0].reshape(self.bcast), out=gx[0])
+        outer, count, inner = self.shape3
+        gy3 = gy[0].reshape(self.shape3)
+        gscale = gp[0].reshape(-1) if gp[0] is not None else None
+        gbias = gp[1].reshape(-1) if self.bias_term and gp[1] is not None else None
+        if gbias is not None:
+            xp.sum(gy3, axis=(0, 2), out=gbias)
+        if gscale is None:
+            if gx[0] is not None:
+                xp.multiply(gy[0], p[0].reshape(self.bcast), out=gx[0])
+            return
+        # chunk by chunk: the scale's gradient from gy and x first, then gx (which may be gy)
+        product, part = ws["product"], ws["part"]
+        chunk = product.shape[0]
+        scale = p[0].reshape((1, count, 1))
+        gx3 = gx[0].reshape(self.shape3) if gx[0] is not None else None
+        # streamed: outer is the batch axis, and x may be a stash decoded a chunk at a time
+        source = x[0] if self.stream_chunk() else x[0].reshape(self.shape3)
+        for n0 in range(0, outer, chunk):
+            xc = source[n0:n0 + chunk].reshape((-1, count, inner))
+            gyc = gy3[n0:n0 + chunk]
+            pc = product[:xc.shape[0]]
+            xp.multiply(gyc, xc, out=pc)
+            if n0 == 0:
+                xp.sum(pc, axis=(0, 2), out=gscale)
+            else:
+                xp.sum(pc, axis=(0, 2), out=part)
+                xp.add(gscale, part, out=gscale)
+            if gx3 is not None:
+                xp.multiply(gyc, scale, out=gx3[n0:n0 + chunk])
 
 
 @register
