@@ -27,6 +27,11 @@ from .codecs import Codec, GistConfig, registered_codec
 from .codecs.segmented import PerSample
 from .program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in
 
+# a stash smaller than this is decoded whole, once, before its first backward reader: each
+# reader of a streamed stash decodes it again, and for a small tensor the time matters more
+# than the bytes of one decoded copy
+STREAM_MIN_BYTES = 4 << 20
+
 # layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU (LRN too:
 # x * scale^-beta with scale >= k > 0 is zero exactly where x is)
 _SPARSITY_PRESERVING = {"ReLU", "Concat", "Dropout", "Flatten", "Split", "LRN"}
@@ -280,7 +285,8 @@ class _Builder:
         output), for a codec of values (SSDC, DPR); else 0."""
         if not isinstance(codec, (self.SSDC, self.DPR)) or not name.startswith("blob:"):
             return 0
-        if self.program.buffers[name].shape[0] != self.graph.batch_size:
+        buffer = self.program.buffers[name]
+        if buffer.shape[0] != self.graph.batch_size or buffer.nbytes < STREAM_MIN_BYTES:
             return 0
         chunk = 1
         for index in self.readers[name]:
@@ -294,7 +300,9 @@ class _Builder:
                 continue
             else:
                 return 0
-        return chunk
+        # a reader that takes the whole batch at once would decode it whole on every read:
+        # one decode step before the first reader costs the same memory and decodes once
+        return chunk if chunk < self.graph.batch_size else 0
 
     def per_sample(self, buffer, codec):
         """The per-sample form of a value codec (SSDC capacity divided over the samples)."""

@@ -49,6 +49,26 @@ def test_lossless_training_is_bit_identical(name, alloc):
     assert encodings & {"relu-pool-4bit", "mask-1bit", "ssdc", "index-4bit"}
 
 
+@pytest.mark.parametrize("name", SMALL_MODELS)
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+@pytest.mark.parametrize("gist", ["lossless", "all"])
+def test_streamed_stashes_train_like_whole_ones(name, alloc, gist, monkeypatch):
+    """Every stash streamed (decoded a chunk at a time by each reader, as the big nets' are):
+    lossless stays bit-identical to none; all (lossy) gives the same bits as decoding whole."""
+    from minigist.layers.conv import Convolution
+    from minigist.layers.normalization import LRN, BatchNorm, Scale
+    for layer_class in (Convolution, LRN, BatchNorm, Scale):    # chunks of 1 sample of 4
+        monkeypatch.setattr(layer_class, "chunk_bytes", 1)
+    whole, whole_losses = train(name, gist if gist == "all" else "none", alloc)
+    monkeypatch.setattr(minigist.gist, "STREAM_MIN_BYTES", 0)
+    net, losses = train(name, gist, alloc)
+    streamed = [s for s in net.programs["train"].steps if s.streams]
+    assert streamed
+    assert losses == whole_losses
+    for key, value in whole.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+
+
 def test_paper_binarize_form_is_bit_identical_too():
     reference, expected = train("vgg_small", "none", "static")
     net, losses = train("vgg_small", "lossless", "static", binarize="paper")
@@ -168,14 +188,41 @@ def test_plan_only_footprint_with_densities():
 
 def test_conv_inputs_are_decoded_a_slice_at_a_time():
     """An SSDC-encoded ReLU output read by a convolution and its ReLU is encoded per sample and
-    decoded one backward chunk at a time: no decode step, and no full-size FP32 copy."""
-    net = minigist.Net(model("vgg_small"), batch_size=8, gist="lossless")
-    net.calibrate(batches(2, batch_size=8))
+    decoded one backward chunk at a time: no decode step, and no full-size FP32 copy. A stash
+    under STREAM_MIN_BYTES is decoded whole, once."""
+    net = minigist.Net(model("vgg_small"), batch_size=32, gist="lossless")
+    net.calibrate(batches(2, batch_size=32))
     program = net.programs["train"]
     tensor = "conv1_1@relu1_1"
     decoded = program.buffers[f"dec:{tensor}"]
     conv = net.train_graph.node_of("conv1_2").layer
-    assert decoded.shape == (conv.stream_chunk(), 64, 32, 32) and decoded.shape[0] < 8
+    assert program.buffers[f"blob:{tensor}"].nbytes >= minigist.gist.STREAM_MIN_BYTES
+    assert decoded.shape == (conv.stream_chunk(), 64, 32, 32) and decoded.shape[0] < 32
     assert not [s for s in program.steps if s.kind == "decode" and s.note == tensor]
     readers = [s for s in program.steps if s.streams and f"dec:{tensor}" in s.streams]
     assert [s.layer.name for s in readers] == ["conv1_2", "relu1_1"]
+    small = minigist.Net(model("vgg_small"), batch_size=8, gist="lossless")
+    small.calibrate(batches(2, batch_size=8))
+    steps = small.programs["train"].steps
+    assert small.programs["train"].buffers[f"blob:{tensor}"].nbytes < minigist.gist.STREAM_MIN_BYTES
+    assert len([s for s in steps if s.kind == "decode" and s.note == tensor]) == 1
+    assert not [s for s in steps if s.streams and f"dec:{tensor}" in s.streams]
+
+
+def test_the_issue_targets_hold_on_exact_plans():
+    """The README's Gist table claims (static allocation, batch 64, fused update, measured
+    SSDC densities + 5%): all + FP16 averages >= 2.0x over the paper's five networks with a
+    maximum >= 2.5x, and all + FP8 reaches >= 4.1x on Inception-v3. Plans are exact bytes, so
+    a change that costs memory shows here."""
+    import json
+
+    def ratio(name, dpr):
+        with open(os.path.join(MODELS_DIR, "densities", name + ".json")) as handle:
+            density = {k: min(1.0, v * 1.05) for k, v in json.load(handle)["density"].items()}
+        sizes = [minigist.net.plan_footprint(model(name), batch_size=64, gist=gist, dpr=dpr, update="fused",
+                                             ssdc_density=density)["footprint_bytes"] for gist in ("none", "all")]
+        return sizes[0] / sizes[1]
+
+    paper = [ratio(name, "fp16") for name in ("alexnet", "nin", "overfeat", "vgg16", "googlenet")]
+    assert sum(paper) / len(paper) >= 2.0 and max(paper) >= 2.5, paper
+    assert ratio("inception_v3", "fp8-e4m3") >= 4.1
