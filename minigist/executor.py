@@ -215,7 +215,7 @@ class DynamicExecutor:
         inputs = [n for n, b in self.program.buffers.items() if b.category == "input"]
         for index in range(end):
             for group in self.allocs[index]:
-                offsets[group] = self.pool.malloc(groups[group].nbytes)
+                offsets[group] = self.pool.malloc(groups[group].nbytes, groups[group].long_lived)
             if index == 0:
                 feed(self._arrays(inputs, offsets))
             if update or program_steps[index].kind != "update":

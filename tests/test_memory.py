@@ -106,6 +106,15 @@ def test_pool_best_fit_prefers_smallest_block():
     assert pool.malloc(400) == blocks[2]
 
 
+def test_pool_long_lived_requests_take_the_lowest_block():
+    pool = Pool()
+    blocks = [pool.malloc(n) for n in (2048, 256, 512, 256)]
+    pool.free(blocks[0])           # a 2048 hole at the bottom
+    pool.free(blocks[2])           # a 512 hole
+    assert pool.malloc(400, long_lived=True) == blocks[0]
+    assert pool.malloc(400) == blocks[2]
+
+
 def test_pool_grows_from_a_free_top_block():
     pool = Pool()
     a = pool.malloc(256)

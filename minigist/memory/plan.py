@@ -12,7 +12,11 @@ start of the arena in every mode; the plan covers the per-iteration rest.
 from dataclasses import dataclass
 
 from ..errors import MemoryBudgetError
-from ..program import INPUT, names_in
+from ..program import ENCODED, INPUT, names_in
+
+# Gist's encoded stashes: made in the forward pass, kept into the backward (a pool hint).
+# (FP32 stashes too was measured worse: they are the big buffers the holes are for.)
+LONG_LIVED = (ENCODED,)
 from . import align, plan_none
 from .planner import StaticPlanner
 from .pool import Pool
@@ -28,6 +32,7 @@ class Group:
     first_use: int
     last_use: int
     offset: int = 0
+    long_lived: bool = False    # holds an encoded stash (kept into the backward): a pool hint
 
 
 def inplace_pairs(program):
@@ -75,6 +80,7 @@ def storage_groups(program, inplace):
         group = groups[by_root[key]]
         group.members.append(buffer.name)
         group.nbytes = max(group.nbytes, buffer.nbytes)
+        group.long_lived = group.long_lived or buffer.category in LONG_LIVED
         group.first_use = min(group.first_use, buffer.first_use)
         group.last_use = max(group.last_use, buffer.last_use)
     return groups
@@ -145,7 +151,7 @@ def replay_pool(groups, steps, pool):
     allocs, frees = schedule(groups, steps)
     for step in range(steps):
         for index in allocs[step]:
-            groups[index].offset = pool.malloc(groups[index].nbytes)
+            groups[index].offset = pool.malloc(groups[index].nbytes, groups[index].long_lived)
         for index in frees[step]:
             pool.free(groups[index].offset)
     return pool

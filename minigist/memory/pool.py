@@ -2,7 +2,8 @@
 
 The pool hands out aligned blocks of one address range that grows at its top when no free
 block fits (like an expandable segment). A request takes the best-fitting free block (the
-smallest that holds it) and splits off the rest; a freed block merges with free neighbours.
+smallest that holds it; a request marked long-lived, the lowest) and splits off the rest; a
+freed block merges with free neighbours.
 The pool measures what a dynamic allocator costs:
 
 - `in_use` / `peak_in_use`: bytes in allocated blocks now / at most (the live peak);
@@ -31,14 +32,17 @@ class Pool:
         self.high_water = 0
         self.mallocs = 0
 
-    def malloc(self, nbytes):
-        """Return the offset of a new block of at least `nbytes` bytes."""
+    def malloc(self, nbytes, long_lived=False):
+        """Return the offset of a new block of at least `nbytes` bytes. `long_lived` (a hint:
+        an encoded stash, kept from the forward pass into the backward) takes the lowest free block that
+        holds it instead of the best-fitting one: such blocks then pile up at the bottom
+        instead of splitting the holes that the next large short-lived buffer needs."""
         size = align(max(int(nbytes), 1), self.alignment)
         best = None
         for position, (offset, block_size) in enumerate(self.free_blocks):
             if block_size >= size and (best is None or block_size < self.free_blocks[best][1]):
                 best = position
-                if block_size == size:
+                if block_size == size or long_lived:
                     break
         if best is not None:
             offset, block_size = self.free_blocks.pop(best)
