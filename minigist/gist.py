@@ -179,7 +179,10 @@ class _Builder:
             elif layer.type == "ReLU" and all(r is layer for r in readers):
                 consumers = [self.graph.nodes[i].layer for i, _ in self.graph.blobs[self.tensor_name(buffer)].consumers]
                 counts = [_max_pool_code_count(c) for c in consumers]
-                if (config.binarize == "fused" and consumers and all(c is not None and c + 1 <= 16 for c in counts)
+                # the fused code drops the gradient where the pool output is <= 0: right for
+                # max(x, 0), not for a leaky ReLU (which passes slope * gy there)
+                if (config.binarize == "fused" and layer.slope == 0.0 and consumers
+                        and all(c is not None and c + 1 <= 16 for c in counts)
                         and all(f"saved:{c.name}.argmax" in self.program.buffers and c.name not in config.overrides
                                 and f"{c.name}.argmax" not in config.overrides for c in consumers)):
                     for consumer in consumers:

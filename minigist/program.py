@@ -97,9 +97,8 @@ class Program:
     @property
     def fused_update(self):
         """Whether update steps run inside the backward pass (each right after the backward
-        of its layer), so that weight gradients are per-iteration buffers."""
-        kinds = [step.kind for step in self.steps]
-        return "update" in kinds and "backward" in kinds[kinds.index("update"):]
+        of its layer): its weight gradients are then per-iteration buffers."""
+        return any(b.category == WEIGHT_GRADS and not b.persistent for b in self.buffers.values())
 
     def compute_liveness(self):
         """first_use / last_use of every buffer; persistent buffers and outputs span it all."""

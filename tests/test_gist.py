@@ -226,3 +226,47 @@ def test_the_issue_targets_hold_on_exact_plans():
     paper = [ratio(name, "fp16") for name in ("alexnet", "nin", "overfeat", "vgg16", "googlenet")]
     assert sum(paper) / len(paper) >= 2.0 and max(paper) >= 2.5, paper
     assert ratio("inception_v3", "fp8-e4m3") >= 4.1
+
+
+LEAKY_POOL = """
+name: "leaky_pool"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 3 dim: 8 dim: 8 } shape { dim: 4 } } }
+layer { name: "c1" type: "Convolution" bottom: "data" top: "c1"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "r1" type: "ReLU" bottom: "c1" top: "c1" relu_param { negative_slope: 0.3 } }
+layer { name: "p1" type: "Pooling" bottom: "c1" top: "p1" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "fc" type: "InnerProduct" bottom: "p1" top: "out"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("binarize", ["fused", "paper"])
+def test_leaky_relu_before_a_max_pool_keeps_its_negative_gradient(tmp_path, binarize):
+    """The fused ReLU->MaxPool code drops the gradient where the pool output is <= 0, which a
+    leaky ReLU must not: it keeps a 1-bit mask instead, and lossless stays exact."""
+    path = tmp_path / "leaky_pool.prototxt"
+    path.write_text(LEAKY_POOL)
+    rng = np.random.default_rng(0)
+    data, label = rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 5, 4)
+    grads = {}
+    for gist in ("none", "lossless"):
+        net = minigist.Net(path, batch_size=4, seed=1, gist=gist, binarize=binarize)
+        net.forward_backward(data, label)
+        grads[gist] = {k: v.copy() for k, v in net.grads().items()}
+    table = stash_table(net)
+    assert table["c1@r1"]["encoding"] == "mask-1bit"
+    for key, value in grads["none"].items():
+        np.testing.assert_array_equal(grads["lossless"][key], value, err_msg=key)
+
+
+def test_a_fused_program_says_so_even_when_its_updates_come_last(tmp_path):
+    path = tmp_path / "one_layer.prototxt"
+    path.write_text("""
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 2 dim: 3 } shape { dim: 2 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "out" inner_product_param { num_output: 2 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+""")
+    assert minigist.Net(path, update="fused").programs["train"].fused_update
+    assert not minigist.Net(path, update="separate").programs["train"].fused_update
