@@ -453,7 +453,9 @@ class Convolution(Layer):
                 else:   # added in by blocks of output rows
                     rows = gwsum.shape[1]
                     for r0 in range(0, o // g, rows):
-                        part = gwsum[:, :min(rows, o // g - r0)]
+                        # a contiguous (g, r, K) front of the workspace, also for a short last block
+                        r = min(rows, o // g - r0)
+                        part = gwsum.reshape(-1)[:g * r * self.cols].reshape(g, r, self.cols)
                         xp.matmul(gyf[:, r0:r0 + rows], colsT, out=part)
                         xp.add(gw3[:, r0:r0 + rows], part, out=gw3[:, r0:r0 + rows])
             if gx0 is None:
