@@ -551,18 +551,15 @@ def shapes_only_plan(path, args):
 
 def write_visuals(args, plan, report):
     from minigist import visualize
-    if args.plot:
+    for flag, path, write, what in (("--plot", args.plot, visualize.plot_timeline, "memory timeline"),
+                                    ("--trace", args.trace, visualize.write_trace, "buffer trace")):
+        if not path:
+            continue
         try:
-            visualize.plot_timeline(plan, report, args.plot)
+            write(plan, report, path)
         except OSError as exc:
-            raise MinigistError(f"--plot: cannot write {args.plot}: {exc.strerror or exc}") from None
-        print(f"memory timeline: {args.plot}")
-    if args.trace:
-        try:
-            visualize.write_trace(plan, report, args.trace)
-        except OSError as exc:
-            raise MinigistError(f"--trace: cannot write {args.trace}: {exc.strerror or exc}") from None
-        print(f"buffer trace: {args.trace}")
+            raise MinigistError(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
+        print(f"{what}: {path}")
 
 
 def footprint_lines(path, args, report):

@@ -352,33 +352,31 @@ def step_flops(graph):
     return 6 * macs
 
 
+def _timed_rates(multiply, reps, n):
+    """GFLOP/s of `multiply()` (an n x n x n product), after 3 warm-ups, one per repetition."""
+    for _ in range(3):
+        multiply()
+    rates = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        multiply()
+        rates.append(2 * n ** 3 / (time.perf_counter() - start) / 1e9)
+    return rates
+
+
 def gemm_rates(reps=15, n=1024):
     """GFLOP/s of numpy's float32 n x n matmul, one figure per repetition."""
     rng = np.random.default_rng(1)
     a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
     c = np.empty((n, n), np.float32)
-    for _ in range(3):
-        np.matmul(a, b, out=c)
-    rates = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        np.matmul(a, b, out=c)
-        rates.append(2 * n ** 3 / (time.perf_counter() - start) / 1e9)
-    return rates
+    return _timed_rates(lambda: np.matmul(a, b, out=c), reps, n)
 
 
 def torch_gemm_rates(reps=15, n=1024):
     """The same for torch.mm, for reference."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
-    for _ in range(3):
-        torch.mm(a, b, out=c)
-    rates = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        torch.mm(a, b, out=c)
-        rates.append(2 * n ** 3 / (time.perf_counter() - start) / 1e9)
-    return rates
+    return _timed_rates(lambda: torch.mm(a, b, out=c), reps, n)
 
 
 def blas_description():

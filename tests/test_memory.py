@@ -13,7 +13,7 @@ from minigist.memory import align, plan_none
 from minigist.memory.plan import MemoryPlan, inplace_pairs
 from minigist.memory.planner import StaticPlanner
 from minigist.memory.pool import Pool
-from minigist.memory.report import FIELDS, footprint_report
+from minigist.memory.report import FIELDS
 from test_net import BRANCHY, batch
 
 MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")

@@ -44,7 +44,7 @@ import numpy as np
 from ..layers.base import TensorDecl
 from .base import Codec
 from .bits import bool_bytes, check_chunk, chunks, nelements, pack_words, unpack_words
-from .dpr import DPR, FORMATS, code_units, value_nbytes
+from .dpr import DPR, FORMATS, value_nbytes
 
 ROW = 256
 CHUNK = 1 << 16            # elements per chunk: whole rows (a multiple of 256)

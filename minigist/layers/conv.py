@@ -181,7 +181,7 @@ class Convolution(Layer):
         and the extra Wp - OW columns (garbage) are dropped from the GEMM's output and meet
         zeros in gy for the weight gradient. The last row of the last channel reads up to
         dw*(kw-1) elements past the input: the staging buffer holds that many zeros more."""
-        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        kw, sw, dw = self.kernel[1], self.stride[1], self.dilation[1]
         if self.pad != (0, 0) and sw == 1 and kw > 1:
             return self._padded_hw()[1], dw * (kw - 1)
         return self.out_hw[1], 0
@@ -189,7 +189,7 @@ class Convolution(Layer):
     def _gy_pass(self):
         """(Wc, slack) of the im2col of the padded gy (the transposed input gradient)."""
         qh, qw, hg, wg = self._gy_pad()
-        (kh, kw), (dh, dw) = self.kernel, self.dilation
+        kw, dw = self.kernel[1], self.dilation[1]
         if (qh, qw) != (0, 0) and kw > 1:
             return wg, dw * (kw - 1)
         return self.in_shape[3], 0

@@ -351,10 +351,11 @@ class LRN(Layer):
         names = ("square", "scale") if phase == "forward" else ("scale", "ratio", "power")
         return {name: TensorDecl(chunk) for name in names}
 
-    def _scale(self, xp, xc, ws):
-        """ws["scale"][:b] <- k + alpha/n * window sum of xc^2, for the chunk xc (b, C, S)."""
+    def _scale(self, xp, xc, square, scale):
+        """scale[:b] <- k + alpha/n * window sum of xc^2 for the chunk xc (b, C, S); square is
+        scratch of the same size."""
         b = xc.shape[0]
-        square, scale = ws["square" if "square" in ws else "ratio"][:b], ws["scale"][:b]
+        square, scale = square[:b], scale[:b]
         xp.multiply(xc, xc, out=square)
         _window_sum(xp, square, scale, (self.size - 1) // 2)
         xp.multiply(scale, self.alpha / self.size, out=scale)
@@ -368,7 +369,7 @@ class LRN(Layer):
         x3 = x[0].reshape(self.shape3)
         for n0 in range(0, n, chunk):
             xc = x3[n0:n0 + chunk]
-            scale = self._scale(xp, xc, ws)
+            scale = self._scale(xp, xc, ws["square"], ws["scale"])
             xp.power(scale, -self.beta, out=scale)
             xp.multiply(xc, scale, out=y3[n0:n0 + chunk])
 
@@ -383,7 +384,7 @@ class LRN(Layer):
         for n0 in range(0, n, chunk):
             xc = x[0][n0:n0 + chunk].reshape((-1, c, inner))     # x may be a chunk-wise decoded stash
             b = xc.shape[0]
-            scale = self._scale(xp, xc, ws)
+            scale = self._scale(xp, xc, ws["ratio"], ws["scale"])    # ratio: scratch until used below
             ratio, power = ws["ratio"][:b], ws["power"][:b]
             # gx = gy * scale^-beta - 2 alpha beta / n * x * window_sum(gy * scale^-beta * x / scale)
             xp.power(scale, -self.beta, out=power)

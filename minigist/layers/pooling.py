@@ -18,7 +18,6 @@ window can lie wholly outside the input. Caffe's MAX then outputs -FLT_MAX (and 
 gradient); so does this layer. Caffe's AVE divides 0 by a pool size <= 0 there (0/0 = NaN or
 -0); this layer outputs 0.
 """
-import math
 
 import numpy as np
 
