@@ -4,7 +4,9 @@
 
 For each model the nets (gist none, lossless, lossy fp16, all fp16) are built once, warmed up,
 then timed in alternation (none, lossless, ..., none, lossless, ...) so that machine noise hits
-every mode alike; the reported figure is the median step time and its ratio to `none`.
+every mode alike; the reported figure is the median step time and its ratio to `none`. With
+numba installed the codecs run their compiled kernels, and one more column times `all fp16` on
+the ufunc path (minigist.codecs.kernels) in the same run.
 """
 import argparse
 import os
@@ -18,9 +20,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import minigist  # noqa: E402
+from minigist.codecs import kernels  # noqa: E402
 
 CONFIGS = [("none", "none", "fp16"), ("lossless", "lossless", "fp16"), ("lossy fp16", "lossy", "fp16"),
            ("all fp16", "all", "fp16")]
+if kernels.available():       # the same mode on the ufunc path, for comparison
+    CONFIGS.append(("all fp16, ufunc codecs", "all", "fp16"))
 
 
 def main():
@@ -30,6 +35,8 @@ def main():
     parser.add_argument("--models", default="vgg_small,resnet20,inception_small")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    print("codecs: " + (f"compiled kernels (numba {kernels.numba.__version__})" if kernels.available()
+                        else "ufunc path (numba not installed)"))
     print(f"| model (batch {args.batch_size}) | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in CONFIGS) + " |")
     print("|---|" + "---:|" * len(CONFIGS))
     for name in args.models.split(","):
@@ -45,9 +52,10 @@ def main():
         times = {label: [] for label in nets}
         for repeat in range(args.repeats):
             for label, net in nets.items():
-                start = time.perf_counter()
-                net.train_step(*batches[repeat % 2])
-                times[label].append(time.perf_counter() - start)
+                with kernels.use_kernels(kernels.available() and "ufunc" not in label):
+                    start = time.perf_counter()
+                    net.train_step(*batches[repeat % 2])
+                    times[label].append(time.perf_counter() - start)
         base = statistics.median(times["none"])
         cells = [f"{statistics.median(t):.3f} ({statistics.median(t) / base:.3f})" for t in times.values()]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)

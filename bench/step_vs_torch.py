@@ -54,6 +54,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import minigist  # noqa: E402
+from minigist.codecs import kernels  # noqa: E402
 
 try:
     import torch
@@ -68,6 +69,9 @@ except ImportError:
 
 GIST_CONFIGS = [("none", "none", "fp16"), ("lossless", "lossless", "fp16"),
                 ("lossy fp16", "lossy", "fp16"), ("all fp16", "all", "fp16")]
+# with numba installed the codecs run compiled kernels; this extra column times `all fp16` on
+# the ufunc path in the same run, for comparison
+UFUNC_CONFIG = ("all fp16, ufunc codecs", "all", "fp16")
 LOSS_RTOL = 1e-4        # float32, first step
 EXACT_RTOL = 1e-9       # float64, every checked step
 
@@ -508,10 +512,15 @@ def weight_distance(net, model):
     return (diff / max(norm, 1e-300)) ** 0.5
 
 
+def gist_configs():
+    return GIST_CONFIGS + ([UFUNC_CONFIG] if kernels.available() else [])
+
+
 def gist_ratios(args, path, batches):
     """Each Gist mode's median step time; the nets calibrated on `batches`, then alternated."""
-    nets = {}
-    for label, gist, dpr in GIST_CONFIGS:
+    nets, kernel_flags = {}, {}
+    for label, gist, dpr in gist_configs():
+        kernel_flags[label] = kernels.available() and label != UFUNC_CONFIG[0]
         solver = minigist.SGD(lr=args.lr, momentum=0.9, weight_decay=5e-4)
         net = minigist.Net(path, batch_size=args.batch_size, seed=0, solver=solver, gist=gist, dpr=dpr)
         net.calibrate(batches)
@@ -522,9 +531,10 @@ def gist_ratios(args, path, batches):
     meter = cpu_sample()
     for repeat in range(args.repeats):
         for label, net in nets.items():
-            start = time.perf_counter()
-            net.train_step(*batches[repeat % 2])
-            times[label].append(time.perf_counter() - start)
+            with kernels.use_kernels(kernel_flags[label]):
+                start = time.perf_counter()
+                net.train_step(*batches[repeat % 2])
+                times[label].append(time.perf_counter() - start)
     fallbacks = {label: net.stats.fallbacks for label, net in nets.items()}
     return times, fallbacks, other_load(meter, cpu_sample())
 
@@ -624,9 +634,11 @@ def main():
                                       for r in results))
     if gist:
         print()
-        print("| model | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in GIST_CONFIGS)
+        print("codecs: " + (f"compiled kernels (numba {kernels.numba.__version__})" if kernels.available()
+                            else "ufunc path (numba not installed)"))
+        print("| model | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in gist_configs())
               + " | SSDC fallbacks | others |")
-        print("|---|" + "---:|" * len(GIST_CONFIGS) + "---:|---:|")
+        print("|---|" + "---:|" * len(gist_configs()) + "---:|---:|")
         for name, (times, fallbacks, others) in gist.items():
             base = statistics.median(times["none"])
             cells = [f"{fmt_time(t)} ({statistics.median(t) / base:.3f})" for t in times.values()]

@@ -109,8 +109,11 @@ def bind_step(step, arrays, xp, solver, stats=None):
         def encode():
             stats.drop_fallback(tensor)
             if codec.data_dependent:          # record what its capacity had to hold
-                stats.record_density(tensor, codec.density(xp, x))
-            if codec.encode(xp, x, enc, ws) is False:
+                fitted, density = codec.encode_measured(xp, x, enc, ws)
+                stats.record_density(tensor, density)
+            else:
+                fitted = codec.encode(xp, x, enc, ws)
+            if fitted is False:
                 stats.fallback(tensor, x)
         return encode
     if step.kind == "decode":

@@ -3,6 +3,9 @@
 DPR is checked against independent references: numpy's float16 cast for fp16, ml_dtypes'
 float8_e4m3fn / float8_e5m2 casts for fp8, and a float64 model (round half to even on the
 mantissa, with subnormals) written here for all formats (the only reference fp10 has).
+
+Every test here runs twice: on the ufunc path and on the compiled kernels (numba; skipped when
+it is not installed). tests/test_kernels.py compares the two paths byte for byte.
 """
 import tracemalloc
 
@@ -12,10 +15,19 @@ import pytest
 from minigist.codecs.base import Codec
 from minigist.codecs.bits import BitMask, PackedCodes
 from minigist.codecs import dpr as dpr_mod
+from minigist.codecs import kernels
 from minigist.codecs.dpr import DPR, FORMATS
 from minigist.codecs.ssdc import SSDC
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+@pytest.fixture(autouse=True, params=["ufunc", "kernels"])
+def codec_path(request):
+    if request.param == "kernels" and not kernels.available():
+        pytest.skip("numba is not installed (pip install minigist[fast])")
+    with kernels.use_kernels(request.param == "kernels"):
+        yield request.param
 
 RNG = np.random.default_rng(1234)
 GUARD = 64                      # sentinel elements on each side of every handed array

@@ -10,6 +10,8 @@ decodes through `xp` into the arrays it is handed:
     codec.decoded_dtype(dtype)    -> the dtype decode writes (float32, or bool for a mask)
     codec.encode(xp, x, enc, ws)  -> None, or for bounded codecs True when it fit
     codec.decode(xp, enc, out, ws)
+    codec.encode_measured(xp, x, enc, ws) -> (encode's result, density(xp, x)) for a
+                                   data-dependent codec, counting the data once
 
 `lossless` says whether decode(encode(x)) gives back exactly what the backward needs.
 """
@@ -35,6 +37,12 @@ class Codec:
 
     def decode(self, xp, enc, out, ws):
         raise NotImplementedError
+
+    def encode_measured(self, xp, x, enc, ws):
+        """encode, and the density its capacity had to hold (a codec that counts anyway
+        overrides this to count once)."""
+        density = self.density(xp, x)
+        return self.encode(xp, x, enc, ws), density
 
     def encoded_nbytes(self, shape):
         import numpy as np

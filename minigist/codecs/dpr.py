@@ -43,6 +43,7 @@ a CPU's L2 cache; on a GPU pass a large chunk, e.g. 1 << 24, to save kernel laun
 import numpy as np
 
 from ..layers.base import TensorDecl
+from . import kernels
 from .base import Codec
 from .bits import check_chunk, chunks, nelements
 
@@ -106,6 +107,7 @@ class DPR(Codec):
         else:                                              # E4M3FN: S.1111.111 is NaN
             self.clamp = self.special = self.abs_mask
         self.scale = np.float32(2.0 ** (127 - bias))
+        self.kernel_params = kernels.dpr_params(self)
 
     # ---- sizes --------------------------------------------------------------------------
     def encoded(self, shape):
@@ -141,6 +143,9 @@ class DPR(Codec):
     def encode_flat(self, xp, src, codes, ws):
         """Encode the 1-D float32 array src into the first code_units(len(src)) units of codes;
         for fp10 the unused slots of the last word are 0."""
+        if kernels.active(xp, src, codes):
+            kernels.dpr_encode(src.view(xp.uint32), codes, self.kernel_params, self.per)
+            return
         for c0, c1 in chunks(src.size, self.chunk):
             m = c1 - c0
             v = ws["v"]
@@ -159,6 +164,9 @@ class DPR(Codec):
 
     def decode_flat(self, xp, codes, out, ws):
         """Decode len(out) values from the start of codes into the 1-D float32 array out."""
+        if kernels.active(xp, codes, out):
+            kernels.dpr_decode(codes, out.view(xp.uint32), self.kernel_params, self.per)
+            return
         for c0, c1 in chunks(out.size, self.chunk):
             m = c1 - c0
             if self.per == 1:

@@ -43,11 +43,19 @@ class PerSample(Codec):
         return max(self.inner.density(xp, x[index:index + 1]) for index in range(self.batch))
 
     def encode(self, xp, x, enc, ws):
-        fitted = True
+        if self.data_dependent:
+            return self.encode_measured(xp, x, enc, ws)[0]
         for index in range(self.batch):
-            if self.inner.encode(xp, x[index:index + 1], self._parts(enc, index), ws) is False:
-                fitted = False
-        return fitted
+            self.inner.encode(xp, x[index:index + 1], self._parts(enc, index), ws)
+
+    def encode_measured(self, xp, x, enc, ws):
+        """encode, returning (True unless a sample did not fit; the densest sample's density)."""
+        fitted, densest = True, 0.0
+        for index in range(self.batch):
+            result, density = self.inner.encode_measured(xp, x[index:index + 1], self._parts(enc, index), ws)
+            fitted = fitted and result is not False
+            densest = max(densest, density)
+        return fitted, densest
 
     def decode_slice(self, xp, enc, start, stop, out, ws):
         """Samples [start, stop) into out[:stop - start]."""

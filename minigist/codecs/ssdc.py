@@ -43,6 +43,7 @@ import numpy as np
 
 from ..layers.base import TensorDecl
 from .base import Codec
+from . import kernels
 from .bits import bool_bytes, check_chunk, chunks, nelements, pack_words, unpack_words
 from .dpr import DPR, FORMATS, value_nbytes
 
@@ -176,6 +177,16 @@ class SSDC(Codec):
             "bitmap": tail.view(xp.uint8),
         }
 
+    def _kernel_serves(self, xp, *arrays):
+        """Whether the compiled kernels do this call (not for fp10 values, 3 per word)."""
+        return (self.dpr is None or self.dpr.per == 1) and kernels.active(xp, *arrays)
+
+    @property
+    def _kernel_args(self):
+        if self.dpr is None:
+            return kernels.FP32_PARAMS, False
+        return self.dpr.kernel_params, True
+
     def _dpr_ws(self, ws):
         return {k[4:]: v for k, v in ws.items() if k.startswith("dpr_")}
 
@@ -184,16 +195,32 @@ class SSDC(Codec):
         return np.dtype(np.float32)
 
     def encode(self, xp, x, enc, ws):
+        return self.encode_measured(xp, x, enc, ws)[0]
+
+    def encode_measured(self, xp, x, enc, ws):
+        """encode, returning (True when it fit, else False; the density)."""
         if x.dtype != np.float32:
             raise TypeError(f"SSDC encodes float32, got {x.dtype}")
         u = x.reshape(-1).view(xp.uint32)
         n = u.size
         nnz = int(xp.count_nonzero(u))
+        return self._encode(xp, u, nnz, enc, ws), nnz / max(1, n)
+
+    def _encode(self, xp, u, nnz, enc, ws):
+        n = u.size
         if nnz > min(self.capacity, n):
             return False
         fmt = self.choose(n, nnz)
         data = enc["data"]
         v = self._views(xp, data, n)
+        if nnz and self._kernel_serves(xp, u, data):
+            if fmt == "csr":
+                kernels.ssdc_encode_csr(u, v["rowptr"], v["cols"], v["values"], nnz, *self._kernel_args)
+            else:
+                kernels.ssdc_encode_bitmap(u, v["bitmap"], v["values"], nnz, *self._kernel_args)
+            data[0:1].fill(FORMAT_IDS[fmt])
+            data[1:2].fill(nnz)
+            return True
         store = self._store_fp32 if self.dpr is None else self._store_dpr
         off = 0
         if fmt == "csr":
@@ -233,6 +260,12 @@ class SSDC(Codec):
         o = out.reshape(-1).view(xp.uint32)
         n = o.size
         v = self._views(xp, enc["data"], n)
+        if nnz and self._kernel_serves(xp, o, enc["data"]):
+            if fmt == "csr":
+                kernels.ssdc_decode_csr(v["rowptr"], v["cols"], v["values"], o, *self._kernel_args)
+            else:
+                kernels.ssdc_decode_bitmap(v["bitmap"], v["values"], o, *self._kernel_args)
+            return
         load = self._load_fp32 if self.dpr is None else self._load_dpr
         if fmt == "bitmap":
             words, off = ws["words"], 0

@@ -1,0 +1,473 @@
+"""Optional compiled CPU kernels for the DPR and SSDC codecs (numba), one pass per tensor.
+
+The codecs' reference path is `xp` ufuncs (numpy or cupy), about twenty passes over a chunk for
+a DPR encode; on a CPU that is 1.5 ns per element, and Gist's encode/decode steps cost 10 to 40
+ms of a 150 ms ResNet-20 step. These kernels do the same integer arithmetic element by element
+in one compiled loop (LLVM vectorises the DPR loops), 3 to 6 times faster; SSDC's bitmap,
+compaction and value rounding become one pass too, 3 to 5 times faster, with AVX-512's
+compress and expand instructions where the CPU has them (numpy's count_nonzero still counts
+the non-zeros first, so that an over-capacity tensor is refused before anything is written).
+`python bench/codec_kernels.py` times each codec both ways. They write exactly the bytes the ufunc
+path writes (tests/test_kernels.py compares the two bit for bit, specials included), so
+footprints, plans and results do not depend on which path ran; the planned workspaces are
+declared either way (the kernels leave them unused).
+
+They run when numba is importable (`pip install minigist[fast]`), `xp` is numpy and the arrays
+are contiguous; otherwise the codecs take the ufunc path. MINIGIST_KERNELS=numpy in the
+environment, or `use_kernels(False)`, forces the ufunc path (the benchmarks time both).
+Compiled code is cached next to this file (numba's `cache=True`), so only the first run on a
+machine pays the compile time (a few seconds).
+
+SSDC with fp10 values (3 per word) stays on the ufunc path, and so do the bit-packing codecs
+(mask-1bit, index-4bit, relu-pool-4bit), whose ufunc code is already a few passes.
+The kernels run on one thread (see the note above dpr_encode).
+"""
+import contextlib
+import os
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:        # the ufunc path serves
+    numba = None
+
+_enabled = numba is not None and os.environ.get("MINIGIST_KERNELS", "numba") != "numpy"
+
+
+def available():
+    """True when numba is installed (whether or not the kernels are switched on)."""
+    return numba is not None
+
+
+def active(xp, *arrays):
+    """Whether the kernels serve this call: on, xp is numpy and every array is C-contiguous."""
+    return _enabled and xp is np and all(a.flags.c_contiguous for a in arrays)
+
+
+def set_kernels(on):
+    """Switch the kernels on or off for the whole process; returns the previous setting.
+    Switching on without numba raises ImportError."""
+    global _enabled
+    if on and numba is None:
+        raise ImportError("minigist's compiled kernels need numba: pip install minigist[fast]")
+    previous, _enabled = _enabled, bool(on)
+    return previous
+
+
+@contextlib.contextmanager
+def use_kernels(on):
+    previous = set_kernels(on)
+    try:
+        yield
+    finally:
+        set_kernels(previous)
+
+
+def dpr_params(dpr):
+    """The integers a DPR kernel needs, as one tuple (see minigist.codecs.dpr)."""
+    return (dpr.shift, dpr.round_add, int(dpr.has_inf), dpr.clamp if not dpr.has_inf else dpr.inf_code,
+            dpr.min_normal_bits, dpr.sign_bit, 31 - dpr.E - dpr.M, 151 - dpr.bias - dpr.M, dpr.M,
+            dpr.abs_mask, dpr.special, (127 - dpr.bias) << 23, dpr.E + dpr.M,
+            ((1 - dpr.bias - dpr.M) << 23) % (1 << 32))
+
+
+FP32_PARAMS = (0,) * 14    # values kept as float32 bits (SSDC "fp32"): the kernels copy them
+
+
+if numba is not None:
+    _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    _U32 = np.uint32
+
+    @_jit
+    def _encode_one(x, p):
+        """float32 bits x -> DPR code (as uint32), exactly as DPR._encode_core."""
+        shift, round_add, has_inf, top = _U32(p[0]), _U32(p[1]), p[2], _U32(p[3])
+        min_normal, sign_bit, sign_shift = _U32(p[4]), _U32(p[5]), _U32(p[6])
+        a = x & _U32(0x7FFFFFFF)
+        # normal range: round to nearest even at bit `shift`, rebias (uint32 wrap-around)
+        v = _U32(a + ((a >> shift) & _U32(1)) + round_add) >> shift
+        if has_inf:                       # overflow -> Inf, NaN -> quiet NaN
+            t = top + ((_U32(a + _U32(0x7FFFFF)) >> _U32(31)) << _U32(p[8] - 1))
+        else:                             # E4M3FN: overflow and NaN -> S.1111.111
+            t = top
+        v = min(v, t)
+        # below the smallest normal: the significand shifted right by r, ties to even
+        e = np.int32(a >> _U32(23))
+        m = (a & _U32(0x7FFFFF)) | (_U32(0x800000) if e > 0 else _U32(0))
+        r = _U32(max(min(np.int32(p[7]) - e, np.int32(31)), np.int32(1)))
+        sub = _U32(m + (_U32(1) << (r - _U32(1))) - _U32(1) + ((m >> r) & _U32(1))) >> r
+        v = v if a >= min_normal else sub
+        return v | ((x >> sign_shift) & sign_bit)
+
+    @_jit
+    def _decode_one(c, p):
+        """DPR code c -> float32 bits, exactly as DPR._decode_core."""
+        shift, abs_mask, special, adj = _U32(p[0]), _U32(p[9]), _U32(p[10]), _U32(p[11])
+        mantissa_bits = _U32(p[8])
+        w = _U32(c) & abs_mask
+        # all three forms computed, one selected: no branches, so the loop vectorises
+        special_bits = _U32(0x7F800000) | ((w & ((_U32(1) << mantissa_bits) - _U32(1))) << shift)
+        normal_bits = _U32((w << shift) + adj)
+        # subnormal: float32(w) is exact, scaled by 2**(1 - bias - M) in its exponent field
+        sub_bits = _U32(np.float32(w).view(np.uint32) + _U32(p[13]))
+        sub_bits = sub_bits if w != _U32(0) else _U32(0)
+        bits = normal_bits if w >= (_U32(1) << mantissa_bits) else sub_bits
+        bits = special_bits if w >= special else bits
+        return bits | ((_U32(c) >> _U32(p[12])) << _U32(31))
+
+    @_jit
+    def _dpr_encode(u, codes, p, per):
+        """float32 bits u -> codes (per = 1: one code per unit; 3: fp10, three per word)."""
+        if per == 1:
+            for i in range(u.size):
+                codes[i] = _encode_one(u[i], p)
+            return
+        n = u.size
+        full = n // 3
+        for k in range(full):
+            codes[k] = (_encode_one(u[3 * k], p) | (_encode_one(u[3 * k + 1], p) << _U32(10))
+                        | (_encode_one(u[3 * k + 2], p) << _U32(20)))
+        if n > 3 * full:
+            word = _U32(0)
+            for j in range(n - 3 * full):
+                word |= _encode_one(u[3 * full + j], p) << _U32(10 * j)
+            codes[full] = word
+
+    @_jit
+    def _dpr_decode(codes, out_u, p, per):
+        """codes -> float32 bits out_u (len(out_u) values)."""
+        if per == 1:
+            for i in range(out_u.size):
+                out_u[i] = _decode_one(codes[i], p)
+            return
+        n = out_u.size
+        full = n // 3
+        for k in range(full):
+            word = codes[k]
+            out_u[3 * k] = _decode_one(word & _U32(0x3FF), p)
+            out_u[3 * k + 1] = _decode_one((word >> _U32(10)) & _U32(0x3FF), p)
+            out_u[3 * k + 2] = _decode_one(word >> _U32(20), p)
+        for j in range(n - 3 * full):
+            out_u[3 * full + j] = _decode_one((codes[full] >> _U32(10 * j)) & _U32(0x3FF), p)
+
+    @_jit
+    def _value(x, p, rounded):
+        return _encode_one(x, p) if rounded else x
+
+    @_jit
+    def _dense(c, p, rounded):
+        return _decode_one(c, p) if rounded else _U32(c)
+
+    # The SSDC kernels go through a tensor in blocks of BLOCK elements; the loops over a block
+    # have a constant trip count, which is what lets LLVM vectorise the value and flag loops
+    # (with a variable count the kernels ran 2-3 times slower). The last, partial block goes
+    # element by element.
+    BLOCK = 64
+
+    @_jit
+    def _ssdc_encode_bitmap(u, bitmap, values, off, end, p, rounded):
+        """SSDC's bitmap format in one pass: bit i of `bitmap` (numpy.packbits order) says
+        u[i] != 0, and the non-zeros go, in order, to `values` (float32 bits, or DPR codes
+        when `rounded`) from values[off] on; `end` is where the values of the next part of
+        the tensor start (the caller counted the non-zeros). Returns the new off.
+
+        Within a block each code is written at the next free slot and the slot advances only
+        for a non-zero, so a zero's code lands where the next non-zero goes (no branches);
+        near `end` only the non-zeros are written."""
+        n = u.size
+        codes = np.empty(BLOCK, np.uint32)
+        nonzero = np.empty(BLOCK, np.uint8)
+        for block in range(n // BLOCK):
+            base = block * BLOCK
+            for j in range(BLOCK):
+                x = u[base + j]
+                codes[j] = _value(x, p, rounded)
+                nonzero[j] = x != _U32(0)
+            for b in range(BLOCK // 8):
+                byte = _U32(0)
+                for j in range(8):
+                    byte |= _U32(nonzero[8 * b + j]) << _U32(7 - j)
+                bitmap[base // 8 + b] = byte
+            if off + BLOCK <= end:
+                for j in range(BLOCK):
+                    values[off] = codes[j]
+                    off += nonzero[j]
+            else:
+                for j in range(BLOCK):
+                    if nonzero[j]:
+                        values[off] = codes[j]
+                        off += 1
+        tail = n - n % BLOCK
+        for b in range(tail // 8, (n + 7) // 8):
+            byte = _U32(0)
+            for j in range(min(8, n - 8 * b)):
+                x = u[8 * b + j]
+                if x != _U32(0):
+                    byte |= _U32(1) << _U32(7 - j)
+                    values[off] = _value(x, p, rounded)
+                    off += 1
+            bitmap[b] = byte
+        return off
+
+    @_jit
+    def _ssdc_encode_csr(u, rowptr, cols, values, off, end, p, rounded):
+        """SSDC's csr format in one pass: rows of 256 elements, per non-zero its column (uint8)
+        and value, rowptr[r + 1] = off + non-zeros in rows 0..r (rowptr[0] is the caller's).
+        Values and columns are written as _ssdc_encode_bitmap writes its values."""
+        n = u.size
+        codes = np.empty(BLOCK, np.uint32)
+        nonzero = np.empty(BLOCK, np.uint8)
+        room = end
+        for block in range(n // BLOCK):
+            base = block * BLOCK
+            col0 = base % 256
+            for j in range(BLOCK):
+                x = u[base + j]
+                codes[j] = _value(x, p, rounded)
+                nonzero[j] = x != _U32(0)
+            if off + BLOCK <= room:
+                for j in range(BLOCK):
+                    values[off] = codes[j]
+                    cols[off] = col0 + j
+                    off += nonzero[j]
+            else:
+                for j in range(BLOCK):
+                    if nonzero[j]:
+                        values[off] = codes[j]
+                        cols[off] = col0 + j
+                        off += 1
+            if (base + BLOCK) % 256 == 0:
+                rowptr[(base + BLOCK) // 256] = off
+        for i in range(n - n % BLOCK, n):
+            x = u[i]
+            if x != _U32(0):
+                values[off] = _value(x, p, rounded)
+                cols[off] = i % 256
+                off += 1
+        if n % 256:
+            rowptr[(n + 255) // 256] = off
+        return off
+
+    @_jit
+    def _ssdc_decode_bitmap(bitmap, values, off, out_u, p, rounded):
+        """Inverse of _ssdc_encode_bitmap into the float32 bits out_u, from values[off] on."""
+        n = out_u.size
+        codes = np.zeros(BLOCK, values.dtype)
+        nonzero = np.empty(BLOCK, np.uint8)
+        last_slot = values.size - 1
+        for block in range(n // BLOCK):
+            base = block * BLOCK
+            for j in range(BLOCK):
+                nonzero[j] = (bitmap[base // 8 + j // 8] >> (7 - j % 8)) & 1
+            for j in range(BLOCK):        # gather: the slot advances past each non-zero
+                codes[j] = values[min(off, last_slot)]
+                off += nonzero[j]
+            for j in range(BLOCK):
+                v = _dense(codes[j], p, rounded)
+                out_u[base + j] = v if nonzero[j] else _U32(0)
+        for i in range(n - n % BLOCK, n):
+            if (bitmap[i // 8] >> (7 - i % 8)) & 1:
+                out_u[i] = _dense(values[off], p, rounded)
+                off += 1
+            else:
+                out_u[i] = 0
+
+    @_jit
+    def _ssdc_decode_csr(rowptr, cols, values, out_u, p, rounded):
+        """Inverse of _ssdc_encode_csr into the float32 bits out_u (rows of rowptr's slice)."""
+        out_u[:] = 0
+        for r in range(rowptr.size - 1):
+            for k in range(rowptr[r], rowptr[r + 1]):
+                out_u[256 * r + cols[k]] = _dense(values[k], p, rounded)
+
+
+    # ---- SSDC with AVX-512 compress / expand ------------------------------------------------
+    # LLVM's masked.compressstore / masked.expandload intrinsics move the flagged lanes of a
+    # 16-lane vector to (or from) consecutive memory: one instruction per 16 elements on a CPU
+    # with AVX-512 (VBMI2 for 8- and 16-bit lanes), where they make SSDC's bitmap kernels 2-4x
+    # faster than the scalar ones above. Elsewhere LLVM would expand them into scalar code, so
+    # they are used only where the host has those instructions (VECTOR, below).
+    from llvmlite import ir as _ir
+    from numba.core import cgutils as _cgutils
+    from numba.extending import intrinsic as _intrinsic
+
+    def _lanes(context, builder, array_type, array, index):
+        """(pointer to array[index], <16 x dtype> type) for an intrinsic's codegen."""
+        data = context.make_array(array_type)(context, builder, array).data
+        element = context.get_data_type(array_type.dtype)
+        return builder.gep(data, [index]), _ir.VectorType(element, 16)
+
+    def _mask(builder, mask):
+        return builder.bitcast(builder.trunc(mask, _ir.IntType(16)), _ir.VectorType(_ir.IntType(1), 16))
+
+    @_intrinsic
+    def _compress16(typingctx, src, src_index, mask, dst, dst_index):
+        """dst[dst_index:] <- the lanes of src[src_index:src_index + 16] whose bit is set in
+        mask (bit j = lane j), in order; writes popcount(mask) elements."""
+        def codegen(context, builder, signature, args):
+            src_pointer, vector = _lanes(context, builder, signature.args[0], args[0], args[1])
+            dst_pointer, _ = _lanes(context, builder, signature.args[3], args[3], args[4])
+            value = builder.load(builder.bitcast(src_pointer, vector.as_pointer()), align=1)
+            fn = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(_ir.VoidType(), [vector, dst_pointer.type, _mask(builder, args[2]).type]),
+                f"llvm.masked.compressstore.v16i{vector.element.width}")
+            builder.call(fn, [value, dst_pointer, _mask(builder, args[2])])
+            return context.get_dummy_value()
+        return numba.types.void(src, src_index, mask, dst, dst_index), codegen
+
+    @_intrinsic
+    def _expand16(typingctx, src, src_index, mask, dst, dst_index):
+        """dst[dst_index:dst_index + 16] <- src[src_index:] spread to the lanes whose bit is set
+        in mask, 0 elsewhere; reads popcount(mask) elements."""
+        def codegen(context, builder, signature, args):
+            src_pointer, vector = _lanes(context, builder, signature.args[0], args[0], args[1])
+            dst_pointer, _ = _lanes(context, builder, signature.args[3], args[3], args[4])
+            fn = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(vector, [src_pointer.type, _mask(builder, args[2]).type, vector]),
+                f"llvm.masked.expandload.v16i{vector.element.width}")
+            value = builder.call(fn, [src_pointer, _mask(builder, args[2]), _ir.Constant(vector, None)])
+            builder.store(value, builder.bitcast(dst_pointer, vector.as_pointer()), align=1)
+            return context.get_dummy_value()
+        return numba.types.void(src, src_index, mask, dst, dst_index), codegen
+
+    @_intrinsic
+    def _nonzero16(typingctx, src, src_index):
+        """The 16-bit mask of src[src_index:src_index + 16] != 0 (bit j = element j)."""
+        def codegen(context, builder, signature, args):
+            pointer, vector = _lanes(context, builder, signature.args[0], args[0], args[1])
+            value = builder.load(builder.bitcast(pointer, vector.as_pointer()), align=1)
+            flags = builder.icmp_unsigned("!=", value, _ir.Constant(vector, None))
+            return builder.zext(builder.bitcast(flags, _ir.IntType(16)), _ir.IntType(32))
+        return numba.types.uint32(src, src_index), codegen
+
+    # bit-reversed bytes: the bitmap is in numpy.packbits order (element 0 in the top bit), the
+    # lane masks have element 0 in bit 0
+    _REVERSED = np.array([int(f"{b:08b}"[::-1], 2) for b in range(256)], np.uint32)
+    WIDE = 256             # elements per step of the vector kernels: whole csr rows
+
+    @_jit
+    def _popcount16(m):
+        m = m - ((m >> _U32(1)) & _U32(0x5555))
+        m = (m & _U32(0x3333)) + ((m >> _U32(2)) & _U32(0x3333))
+        m = (m + (m >> _U32(4))) & _U32(0x0F0F)
+        return np.int64((m + (m >> _U32(8))) & _U32(0x1F))
+
+    @_jit
+    def _ssdc_encode_bitmap_vector(u, bitmap, values, nnz, p, rounded):
+        n = u.size
+        codes = np.empty(WIDE, values.dtype)
+        off = 0
+        for block in range(n // WIDE):
+            base = block * WIDE
+            for j in range(WIDE):
+                codes[j] = _value(u[base + j], p, rounded)
+            for k in range(WIDE // 16):
+                m = _nonzero16(u, base + 16 * k)
+                _compress16(codes, 16 * k, m, values, off)
+                bitmap[base // 8 + 2 * k] = _REVERSED[m & _U32(0xFF)]
+                bitmap[base // 8 + 2 * k + 1] = _REVERSED[m >> _U32(8)]
+                off += _popcount16(m)
+        tail = n - n % WIDE
+        return _ssdc_encode_bitmap(u[tail:], bitmap[tail // 8:], values, off, nnz, p, rounded)
+
+    _COLUMNS = np.arange(WIDE).astype(np.uint8)
+
+    @_jit
+    def _ssdc_encode_csr_vector(u, rowptr, cols, values, nnz, p, rounded):
+        n = u.size
+        codes = np.empty(WIDE, values.dtype)
+        off = 0
+        for row in range(n // WIDE):
+            base = row * WIDE
+            for j in range(WIDE):
+                codes[j] = _value(u[base + j], p, rounded)
+            for k in range(WIDE // 16):
+                m = _nonzero16(u, base + 16 * k)
+                _compress16(codes, 16 * k, m, values, off)
+                _compress16(_COLUMNS, 16 * k, m, cols, off)
+                off += _popcount16(m)
+            rowptr[row + 1] = off
+        tail = n - n % WIDE
+        return _ssdc_encode_csr(u[tail:], rowptr[tail // WIDE:], cols, values, off, nnz, p, rounded)
+
+    @_jit
+    def _ssdc_decode_bitmap_vector(bitmap, values, out_u, p, rounded):
+        n = out_u.size
+        codes = np.empty(WIDE, values.dtype)
+        masks = np.empty(WIDE // 16, np.uint32)
+        off = 0
+        for block in range(n // WIDE):
+            base = block * WIDE
+            for k in range(WIDE // 16):
+                masks[k] = (_REVERSED[bitmap[base // 8 + 2 * k]]
+                            | (_REVERSED[bitmap[base // 8 + 2 * k + 1]] << _U32(8)))
+            for k in range(WIDE // 16):
+                _expand16(values, off, masks[k], codes, 16 * k)
+                off += _popcount16(masks[k])
+            for j in range(WIDE):         # a zero lane holds code 0, which decodes to +0.0
+                out_u[base + j] = _dense(codes[j], p, rounded)
+        tail = n - n % WIDE
+        _ssdc_decode_bitmap(bitmap[tail // 8:], values, off, out_u[tail:], p, rounded)
+
+
+# ---- what the codecs call ----------------------------------------------------------------
+# One thread: the codecs run between BLAS calls, and OpenBLAS's threads keep spinning for a while
+# after each; kernels split over two threads (numba's prange, tried with the OpenMP and the
+# workqueue layers) made a ResNet-20 step under all + fp16 slower, 1.2x to 4.4x of no Gist
+# instead of 1.13x.
+def dpr_encode(u, codes, p, per):
+    """float32 bits u -> DPR codes (per = 1: one per unit; 3: fp10, three per uint32 word)."""
+    _dpr_encode(u, codes, p, per)
+
+
+def dpr_decode(codes, out_u, p, per):
+    """DPR codes -> float32 bits out_u (out_u.size values)."""
+    _dpr_decode(codes, out_u, p, per)
+
+
+def _host_has(*features):
+    from llvmlite import binding
+    host = binding.get_host_cpu_features()
+    return numba.config.CPU_NAME is None and all(host.get(f, False) for f in features)
+
+
+# the compress/expand kernels: on a host with AVX-512 F, BW and VBMI2 (numba compiling for
+# the host); set_vector(False) selects the scalar ones (the tests run both)
+VECTOR = numba is not None and _host_has("avx512f", "avx512bw", "avx512vbmi2")
+_vector = VECTOR
+
+
+def set_vector(on):
+    """Use the compress/expand SSDC kernels (only where VECTOR); returns the previous setting."""
+    global _vector
+    previous, _vector = _vector, bool(on) and VECTOR
+    return previous
+
+
+def ssdc_encode_bitmap(u, bitmap, values, nnz, p, rounded):
+    """SSDC's bitmap format (see _ssdc_encode_bitmap); nnz: u's non-zeros."""
+    if _vector:
+        _ssdc_encode_bitmap_vector(u, bitmap, values, nnz, p, rounded)
+    else:
+        _ssdc_encode_bitmap(u, bitmap, values, 0, nnz, p, rounded)
+
+
+def ssdc_encode_csr(u, rowptr, cols, values, nnz, p, rounded):
+    """SSDC's csr format (see _ssdc_encode_csr); nnz: u's non-zeros."""
+    rowptr[0] = 0
+    if _vector:
+        _ssdc_encode_csr_vector(u, rowptr, cols, values, nnz, p, rounded)
+    else:
+        _ssdc_encode_csr(u, rowptr, cols, values, 0, nnz, p, rounded)
+
+
+def ssdc_decode_bitmap(bitmap, values, out_u, p, rounded):
+    if _vector:
+        _ssdc_decode_bitmap_vector(bitmap, values, out_u, p, rounded)
+    else:
+        _ssdc_decode_bitmap(bitmap, values, 0, out_u, p, rounded)
+
+
+def ssdc_decode_csr(rowptr, cols, values, out_u, p, rounded):
+    _ssdc_decode_csr(rowptr, cols, values, out_u, p, rounded)

@@ -1,0 +1,161 @@
+"""The compiled codec kernels (minigist.codecs.kernels) against the ufunc path, byte for byte.
+
+The ufunc path is itself checked against numpy's float16 cast, ml_dtypes and a float64 model
+(tests/test_codecs.py, which also runs its whole suite on both paths). Here the two paths encode
+the same tensors and must write the same bytes: every code, and for SSDC the header and every
+used byte of the chosen format. Every test runs with the scalar SSDC kernels and, on a CPU with
+AVX-512 (kernels.VECTOR), with the compress/expand ones.
+"""
+import numpy as np
+import pytest
+
+from minigist.codecs import kernels
+from minigist.codecs.dpr import DPR, FORMATS, code_units
+from minigist.codecs.ssdc import SSDC
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
+
+RNG = np.random.default_rng(77)
+
+
+@pytest.fixture(autouse=True, params=["scalar", "vector"])
+def ssdc_kernels(request):
+    if request.param == "vector" and not kernels.VECTOR:
+        pytest.skip("this CPU lacks AVX-512 F/BW/VBMI2: the compress/expand kernels are not used")
+    previous = kernels.set_vector(request.param == "vector")
+    yield request.param
+    kernels.set_vector(previous)
+
+
+def awkward_floats(n, rng=RNG):
+    """Normal values over many binades, the targets' subnormal ranges, float32 subnormals,
+    overflow, +-0, +-Inf, NaNs with payloads, and random bit patterns."""
+    parts = [rng.standard_normal(n // 4).astype(np.float32) * np.float32(10.0) ** rng.integers(-9, 6, n // 4).astype(np.float32),
+             (rng.standard_normal(n // 8) * 1e-6).astype(np.float32),
+             (rng.standard_normal(n // 16) * 1e-40).astype(np.float32),
+             (rng.standard_normal(n // 16) * 1e5).astype(np.float32),
+             rng.integers(0, 2 ** 32, n // 4, dtype=np.uint64).astype(np.uint32).view(np.float32),
+             np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 65504, 65520, 448, 464, 57344,
+                       61440, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -9, 2.0 ** -10], np.float32)]
+    x = np.concatenate(parts)
+    x = np.concatenate([x, rng.standard_normal(max(0, n - x.size)).astype(np.float32)])
+    return rng.permutation(x)[:n]
+
+
+def ufunc_then_kernel(fn):
+    with kernels.use_kernels(False):
+        a = fn()
+    with kernels.use_kernels(True):
+        b = fn()
+    return a, b
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 1000, 98305, 200003])
+def test_dpr_encode_same_codes(fmt, n):
+    dpr = DPR(fmt)
+    x = awkward_floats(n)
+
+    def encode():
+        codes = np.full(code_units(fmt, n) + 3, 0x5A5A5A5A, np.uint32).astype(dpr.code_dtype)
+        ws = {k: np.empty(d.shape, d.dtype) for k, d in dpr.flat_workspace(n, "encode").items()}
+        dpr.encode_flat(np, x, codes, ws)
+        return codes
+
+    ufunc, kernel = ufunc_then_kernel(encode)
+    assert ufunc.tobytes() == kernel.tobytes()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dpr_decode_every_code(fmt):
+    dpr = DPR(fmt)
+    if dpr.per == 1:
+        codes = np.arange(1 << (8 * dpr.code_dtype.itemsize)).astype(dpr.code_dtype)
+        n = codes.size
+    else:                                     # fp10: every 10-bit code in each of the 3 slots
+        c = np.arange(1024, dtype=np.uint32)
+        codes = np.concatenate([c, c << 10, c << 20, RNG.integers(0, 1 << 30, 5000).astype(np.uint32)])
+        n = 3 * codes.size - 2                # a partial last word as well
+
+    def decode():
+        out = np.full(n, 7.0, np.float32)
+        ws = {k: np.empty(d.shape, d.dtype) for k, d in dpr.flat_workspace(n, "decode").items()}
+        dpr.decode_flat(np, codes, out, ws)
+        return out
+
+    ufunc, kernel = ufunc_then_kernel(decode)
+    assert ufunc.tobytes() == kernel.tobytes()
+
+
+def ssdc_input(n, density, rng=RNG):
+    x = np.abs(awkward_floats(n, rng))
+    x[x == 0] = 1.0
+    x[rng.random(n) >= density] = 0.0
+    if n > 8 and density > 0:
+        x[[0, 3]] = [-0.0, np.nan]            # non-zero bit patterns, kept bit for bit
+    return x
+
+
+def used_bytes(codec, enc, n):
+    """The header and the bytes the held format uses: the values, then csr's row pointers and
+    columns or the bitmap."""
+    fmt, nnz = SSDC.header(enc)
+    views = codec._views(np, enc["data"], n)
+    values = views["values"].view(np.uint8)[:SSDC.nbytes_for(n, nnz, codec.value_format)["bitmap"] - -(-n // 8)]
+    if fmt == "csr":
+        rows = -(-n // 256)
+        tail = views["rowptr"][:rows + 1].tobytes() + views["cols"][:nnz].tobytes()
+    else:
+        tail = views["bitmap"][:-(-n // 8)].tobytes()
+    return enc["data"][:2].tobytes() + values.tobytes() + tail
+
+
+@pytest.mark.parametrize("values", ["fp32", "fp16", "fp8-e4m3", "fp8-e5m2"])
+@pytest.mark.parametrize("fmt", ["csr", "bitmap"])
+@pytest.mark.parametrize("n,density", [(1, 1.0), (7, 0.5), (256, 0.0), (257, 1.0), (1000, 0.05),
+                                       (65536 + 300, 0.5), (70001, 0.97), (4099, 0.004)])
+def test_ssdc_same_bytes_and_roundtrip(values, fmt, n, density):
+    x = ssdc_input(n, density)
+    nnz = int(np.count_nonzero(x.view(np.uint32)))
+    for capacity in (nnz, n):                 # exactly full, and room to spare
+        codec = SSDC(capacity, values, formats=(fmt,))
+        shape = (n,)
+
+        def encode_decode():
+            enc = {k: np.full(d.shape, 0xA5A5A5A5, d.dtype) for k, d in codec.encoded(shape).items()}
+            ws = {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(shape, "encode").items()}
+            assert codec.encode(np, x, enc, ws) is True
+            out = np.full(n, 3.0, np.float32)
+            ws = {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(shape, "decode").items()}
+            codec.decode(np, enc, out, ws)
+            return used_bytes(codec, enc, n), out
+
+        (ufunc_bytes, ufunc_out), (kernel_bytes, kernel_out) = ufunc_then_kernel(encode_decode)
+        assert ufunc_bytes == kernel_bytes
+        assert ufunc_out.tobytes() == kernel_out.tobytes()
+
+
+def test_kernels_serve_only_numpy_and_contiguous_arrays():
+    a = np.zeros(10, np.float32)
+    with kernels.use_kernels(True):
+        assert kernels.active(np, a, a[2:5])
+        assert not kernels.active(np, a[::2])
+        assert not kernels.active(object(), a)
+    with kernels.use_kernels(False):
+        assert not kernels.active(np, a)
+
+
+def test_the_kernels_run_when_on(monkeypatch):
+    """The codecs take the kernel path when it is on (and the ufunc path when it is off)."""
+    calls = []
+    real = kernels.dpr_encode
+    monkeypatch.setattr(kernels, "dpr_encode", lambda *args: calls.append(1) or real(*args))
+    dpr = DPR("fp16")
+    x = np.ones(100, np.float32)
+    codes = np.empty(100, np.uint16)
+    ws = {k: np.empty(d.shape, d.dtype) for k, d in dpr.flat_workspace(100, "encode").items()}
+    with kernels.use_kernels(True):
+        dpr.encode_flat(np, x, codes, ws)
+    with kernels.use_kernels(False):
+        dpr.encode_flat(np, x, codes, ws)
+    assert calls == [1]
