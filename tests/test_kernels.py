@@ -3,8 +3,9 @@
 The ufunc path is itself checked against numpy's float16 cast, ml_dtypes and a float64 model
 (tests/test_codecs.py, which also runs its whole suite on both paths). Here the two paths encode
 the same tensors and must write the same bytes: every code, and for SSDC the header and every
-used byte of the chosen format. Every test runs with the scalar SSDC kernels and, on a CPU with
-AVX-512 (kernels.VECTOR), with the compress/expand ones.
+used byte of the chosen format. Every test runs with the plain kernels (integer fp16, scalar
+SSDC) and, on a CPU that has the instructions, with the fast ones (fp16 through F16C,
+kernels.HALF; SSDC through AVX-512 compress/expand, kernels.VECTOR).
 """
 import numpy as np
 import pytest
@@ -18,13 +19,15 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not in
 RNG = np.random.default_rng(77)
 
 
-@pytest.fixture(autouse=True, params=["scalar", "vector"])
-def ssdc_kernels(request):
-    if request.param == "vector" and not kernels.VECTOR:
-        pytest.skip("this CPU lacks AVX-512 F/BW/VBMI2: the compress/expand kernels are not used")
-    previous = kernels.set_vector(request.param == "vector")
+@pytest.fixture(autouse=True, params=["plain", "fast"])
+def kernel_variant(request):
+    if request.param == "fast" and not (kernels.VECTOR or kernels.HALF):
+        pytest.skip("this CPU has neither F16C nor AVX-512 VBMI2: only the plain kernels are used")
+    fast = request.param == "fast"
+    previous = kernels.set_vector(fast), kernels.set_half(fast)
     yield request.param
-    kernels.set_vector(previous)
+    kernels.set_vector(previous[0])
+    kernels.set_half(previous[1])
 
 
 def awkward_floats(n, rng=RNG):

@@ -185,7 +185,7 @@ class SSDC(Codec):
     def _kernel_args(self):
         if self.dpr is None:
             return kernels.FP32_PARAMS, False
-        return self.dpr.kernel_params, True
+        return kernels.dpr_params(self.dpr), True
 
     def _dpr_ws(self, ws):
         return {k[4:]: v for k, v in ws.items() if k.startswith("dpr_")}
