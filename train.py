@@ -46,6 +46,7 @@ sys.path.insert(0, HERE)
 
 import minigist  # noqa: E402  (after the path tweak, so a checkout runs without installing)
 from minigist import datasets  # noqa: E402
+from minigist.codecs import kernels as codec_kernels  # noqa: E402
 from minigist.codecs import DPR_FORMATS, GIST_MODES, GistConfig  # noqa: E402
 from minigist.errors import MinigistError  # noqa: E402
 from minigist.gist import apply_gist  # noqa: E402
@@ -672,6 +673,8 @@ def run(args, given):
     print(f"model {args.model}: {graph.param_count():,} parameters, batch {(batch,) + tuple(graph.input_shape)}, "
           f"{classes} classes, device {args.device}, footprint {_mib(report['footprint_bytes'])} "
           f"({args.alloc}, gist {args.gist})")
+    if args.gist != "none":
+        print(f"codecs: {codec_kernels.describe(net.xp)}")
     schedule = f" x{args.lr_gamma:g} every {args.lr_step:g} epochs" if args.lr_step else ""
     print(f"data {data.describe()}; crop pad {args.crop_pad}, flip {args.flip}; {total} iterations "
           f"({ipe} per epoch), lr {args.lr:g}{schedule}")

@@ -28,7 +28,9 @@ report gives, per model:
   and the same two figures for a few untimed steps run in float64 on both sides, where
   rounding no longer hides a semantic mismatch (they agree to about 1e-15);
 - unless --no-gist, each Gist mode's minigist step time (none, lossless, lossy fp16,
-  all fp16; calibrated on the two batches, timed in alternation) as a ratio to none.
+  all fp16; calibrated on the two batches, timed in alternation) as a ratio to none; with
+  numba installed the codecs run their compiled kernels, and `all fp16` is timed once more on
+  the ufunc path (minigist.codecs.kernels switched off) in the same alternation.
 
 Semantics mapped (Caffe -> torch): Convolution -> conv2d (pad, stride, dilation, group,
 bias_term); Pooling MAX/AVE -> max_pool2d / avg_pool2d(count_include_pad=True) with

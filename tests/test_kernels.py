@@ -162,3 +162,11 @@ def test_the_kernels_run_when_on(monkeypatch):
     with kernels.use_kernels(False):
         dpr.encode_flat(np, x, codes, ws)
     assert calls == [1]
+
+
+def test_describe_names_the_path():
+    with kernels.use_kernels(True):
+        assert kernels.describe(np).startswith(f"numba {kernels.numba.__version__} kernels")
+        assert kernels.describe(object()) == "ufunc path (not on a GPU)"
+    with kernels.use_kernels(False):
+        assert kernels.describe(np) == "ufunc path (switched off)"
