@@ -623,9 +623,14 @@ def run(args, given):
     data = datasets.load_dataset(args.data, tuple(graph.input_shape), classes, holdout=args.holdout,
                                  seed=args.seed)
     solver = minigist.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    # with SSDC in play the budget is checked after calibration, against the measured plan
+    calibrates = args.gist in ("lossless", "all")
     net = minigist.Net(path, batch_size=args.batch_size, input_size=args.input_size, device=args.device,
-                       seed=args.seed, solver=solver, alloc=args.alloc, memory_budget=args.memory_budget,
-                       **gist_kwargs(args))
+                       seed=args.seed, solver=solver, alloc=args.alloc,
+                       memory_budget=None if calibrates else args.memory_budget, **gist_kwargs(args))
+    if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
+        raise MinigistError(f"--memory-budget: the weights and optimizer state alone need {net.persistent_bytes:,} "
+                            f"bytes, the budget allows {args.memory_budget:,} bytes")
     set_bn_average(net, args.bn_average)
     graph = net.train_graph
     batch = graph.batch_size
@@ -652,10 +657,12 @@ def run(args, given):
             raise MinigistError(f"--resume: the data differ from the checkpoint's ({args.data}: "
                                 f"{meta.get('data', {}).get('train')} training images then, {len(data.train)} now)")
     # Gist's sparse encodings plan their size from a few measured batches (before any state is restored)
-    if args.gist in ("lossless", "all"):
+    if calibrates:
         calib_rng = np.random.default_rng(args.seed + 7919)
         picks = [data.epoch_batch(calib_rng.permutation(len(data.train)), 0, batch) for _ in range(3)]
         net.calibrate([data.train_batch(p, calib_rng) for p in picks])
+    if calibrates and args.memory_budget is not None:
+        net.set_memory_budget(args.memory_budget)
     if resumed is not None:
         restore_state(net, values, checkpoint_path(args.checkpoint))
         set_rng_state(data_rng, meta["data_rng"])

@@ -72,10 +72,20 @@ class Net:
         old_arena, old_persistent = self.arena, getattr(self, "persistent_bytes", 0)
         self.programs = {"train": apply_gist(self.base_programs["train"], self.gist, calibrating),
                          "eval": self.base_programs["eval"]}
-        self._allocate(self.alloc, self.memory_budget)
+        # the calibration pass plans every SSDC candidate at full capacity: a measurement, not
+        # the training plan, so the budget is not held against it
+        self._allocate(self.alloc, None if calibrating else self.memory_budget)
         if old_arena is not None:
             assert old_persistent == self.persistent_bytes
             self.arena[:old_persistent] = old_arena[:old_persistent]
+
+    def set_memory_budget(self, budget):
+        """Hold the training plan to `budget` bytes from now on (None: no limit): re-plans and
+        raises MemoryBudgetError if the plan does not fit (static / none), or limits the pool
+        (dynamic). Weights and momentum are kept. train.py sets its budget this way after
+        calibration, so that the plan it checks is the one SSDC's measured densities give."""
+        self.memory_budget = budget
+        self._build()
 
     def calibrate(self, batches, margin=0.05):
         """Measure each SSDC candidate's density on `batches` (tuples of net inputs) through

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 import minigist
+from minigist.errors import MemoryBudgetError
 from minigist import datasets
 from minigist.errors import MinigistError
 
@@ -360,3 +361,58 @@ def test_lr_schedule_and_epoch_batches():
     assert len(batches) == 3 and all(len(b) == 4 for b in batches)
     assert sorted(set(np.concatenate(batches))) == list(range(10))
     assert list(batches[-1][2:]) == list(order[:2])
+
+
+# five 3x3 convolutions, each over the ReLU output of the one before: SSDC candidates whose
+# stashes are all alive at the backward peak
+SPARSE = """
+name: "sparse"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 3 dim: 32 dim: 32 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "conv3" type: "Convolution" bottom: "conv2" top: "conv3"
+  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "relu3" type: "ReLU" bottom: "conv3" top: "conv3" }
+layer { name: "conv4" type: "Convolution" bottom: "conv3" top: "conv4"
+  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "relu4" type: "ReLU" bottom: "conv4" top: "conv4" }
+layer { name: "conv5" type: "Convolution" bottom: "conv4" top: "conv5"
+  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "relu5" type: "ReLU" bottom: "conv5" top: "conv5" }
+layer { name: "fc" type: "InnerProduct" bottom: "conv5" top: "fc"
+  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+"""
+
+
+def test_memory_budget_is_held_against_the_calibrated_plan(tmp_path):
+    """With SSDC the plan shrinks once densities are measured: train.py checks its budget after
+    calibration, so a budget that only the calibrated plan meets trains, and one below it fails
+    with a one-line error."""
+    path = tmp_path / "sparse.prototxt"
+    path.write_text(SPARSE)
+    net = minigist.Net(str(path), gist="lossless")
+    uncalibrated = net.report()["footprint_bytes"]
+    rng = np.random.default_rng(0)
+    net.calibrate([(rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 3, 4))])
+    calibrated = net.report()["footprint_bytes"]
+    assert calibrated < uncalibrated
+    with pytest.raises(MemoryBudgetError):
+        minigist.Net(str(path), gist="lossless", memory_budget=calibrated)   # uncalibrated: refused
+    weights = {k: v.copy() for k, v in net.params().items()}
+    with pytest.raises(MemoryBudgetError):
+        net.set_memory_budget(calibrated - 1)
+    net.set_memory_budget(calibrated)
+    assert all(np.array_equal(v, net.params()[k]) for k, v in weights.items())
+    # the CLI calibrates on mnist-like synthetic data, so give it room between its own two plans
+    between = (calibrated + uncalibrated) // 2
+    result = run_cli("--model", path, "--data", "synthetic", "--gist", "lossless", "--iters", 1,
+                     "--memory-budget", between, "--eval-every", 0)
+    assert result.returncode == 0, result.stderr
+    one_line_error(run_cli("--model", path, "--data", "synthetic", "--gist", "lossless", "--iters", 1,
+                           "--memory-budget", 10_000), "--memory-budget", "weights and optimizer state")
