@@ -17,6 +17,17 @@ def _shape3(shape):
     return (int(shape[0]), int(shape[1]), int(np.prod(shape[2:], dtype=np.int64)))
 
 
+def _channel_sums(xp, values, out, ones, rows):
+    """out (C,) <- the sums of values (b, C, S) over axes 0 and 2: a matrix-vector product
+    with a vector of ones into rows (at least b of them, C wide), then a sum down the b rows.
+    BLAS's gemv does this 3-5x faster on a CPU than xp.sum over the two axes. ones (S,) is
+    workspace: filled here, it holds nothing between steps."""
+    b = values.shape[0]
+    ones.fill(1)
+    xp.matmul(values, ones, out=rows[:b])
+    xp.sum(rows[:b], axis=0, out=out)
+
+
 def _window_sum(xp, src, dst, half):
     """dst[:, c] = sum of src[:, c - half .. c + half] over the channel axis (clipped).
 
@@ -93,8 +104,10 @@ class BatchNorm(Layer):
         if self.use_global:
             return {}
         n, c, s = self.shape3
-        return {"square" if phase == "forward" else "product": TensorDecl((self.stream_chunk(), c, s)),
-                "sums": TensorDecl((3, c))}   # per-channel totals and a chunk's part
+        chunk = self.stream_chunk()
+        return {"square" if phase == "forward" else "product": TensorDecl((chunk, c, s)),
+                "sums": TensorDecl((3, c)),   # per-channel totals and a chunk's part
+                "ones": TensorDecl((s,)), "rows": TensorDecl((chunk, c))}   # for _channel_sums
 
     def _global_stats(self, xp, p):
         """Per-channel (mean, inv_std) from the running sums, Caffe's 0 -> 0 factor included."""
@@ -108,12 +121,10 @@ class BatchNorm(Layer):
         return mean.astype(self.dtype, copy=False), inv_std.astype(self.dtype, copy=False)
 
     @staticmethod
-    def _channel_sum(xp, values, total, part, first):
+    def _channel_sum(xp, values, total, part, first, ws):
         """total (=|+=) the per-channel sum of the chunk values (b, C, S)."""
-        if first:
-            xp.sum(values, axis=(0, 2), out=total)
-        else:
-            xp.sum(values, axis=(0, 2), out=part)
+        _channel_sums(xp, values, total if first else part, ws["ones"], ws["rows"])
+        if not first:
             xp.add(total, part, out=total)
 
     def forward(self, xp, x, y, p, saved, ws):
@@ -131,7 +142,7 @@ class BatchNorm(Layer):
         starts = range(0, n, chunk)
         mean, part = sums[0], sums[1]
         for n0 in starts:
-            self._channel_sum(xp, x3[n0:n0 + chunk], mean, part, n0 == 0)
+            self._channel_sum(xp, x3[n0:n0 + chunk], mean, part, n0 == 0, ws)
         xp.divide(mean, m, out=mean)
         var = saved["inv_std"]
         for n0 in starts:
@@ -139,7 +150,7 @@ class BatchNorm(Layer):
             xp.subtract(x3[n0:n0 + chunk], mean[:, None], out=yc)     # y may be x: read first
             sq = square[:yc.shape[0]]
             xp.multiply(yc, yc, out=sq)
-            self._channel_sum(xp, sq, var, part, n0 == 0)
+            self._channel_sum(xp, sq, var, part, n0 == 0, ws)
         xp.divide(var, m, out=var)
         # running sums, exactly as Caffe: s = s*maf + 1, mean = mean*maf + mean_b,
         # variance = variance*maf + var_b * m/(m-1)
@@ -181,8 +192,8 @@ class BatchNorm(Layer):
             gyc = gy3[n0:n0 + chunk]
             pc = product[:yc.shape[0]]
             xp.multiply(gyc, yc, out=pc)
-            self._channel_sum(xp, pc, mean_gy_y, part, n0 == 0)
-            self._channel_sum(xp, gyc, mean_gy, part, n0 == 0)
+            self._channel_sum(xp, pc, mean_gy_y, part, n0 == 0, ws)
+            self._channel_sum(xp, gyc, mean_gy, part, n0 == 0, ws)
         xp.divide(mean_gy_y, m, out=mean_gy_y)
         xp.divide(mean_gy, m, out=mean_gy)
         inv_std = saved["inv_std"][:, None]
@@ -264,7 +275,8 @@ class Scale(Layer):
     def workspace(self, phase):
         if phase == "backward" and self.scale_trained:
             outer, count, inner = self.shape3
-            return {"product": TensorDecl((self._chunk(), count, inner)), "part": TensorDecl((count,))}
+            return {"product": TensorDecl((self._chunk(), count, inner)), "part": TensorDecl((count,)),
+                    "ones": TensorDecl((inner,)), "rows": TensorDecl((outer, count))}   # _channel_sums
         return {}
 
     def forward(self, xp, x, y, p, saved, ws):
@@ -278,7 +290,10 @@ class Scale(Layer):
         gscale = gp[0].reshape(-1) if gp[0] is not None else None
         gbias = gp[1].reshape(-1) if self.bias_term and gp[1] is not None else None
         if gbias is not None:
-            xp.sum(gy3, axis=(0, 2), out=gbias)
+            if gscale is not None:
+                _channel_sums(xp, gy3, gbias, ws["ones"], ws["rows"])
+            else:
+                xp.sum(gy3, axis=(0, 2), out=gbias)
         if gscale is None:
             if gx[0] is not None:
                 xp.multiply(gy[0], p[0].reshape(self.bcast), out=gx[0])
@@ -295,10 +310,8 @@ class Scale(Layer):
             gyc = gy3[n0:n0 + chunk]
             pc = product[:xc.shape[0]]
             xp.multiply(gyc, xc, out=pc)
-            if n0 == 0:
-                xp.sum(pc, axis=(0, 2), out=gscale)
-            else:
-                xp.sum(pc, axis=(0, 2), out=part)
+            _channel_sums(xp, pc, gscale if n0 == 0 else part, ws["ones"], ws["rows"])
+            if n0:
                 xp.add(gscale, part, out=gscale)
             if gx3 is not None:
                 xp.multiply(gyc, scale, out=gx3[n0:n0 + chunk])
