@@ -170,3 +170,24 @@ def test_describe_names_the_path():
         assert kernels.describe(object()) == "ufunc path (not on a GPU)"
     with kernels.use_kernels(False):
         assert kernels.describe(np) == "ufunc path (switched off)"
+
+
+def test_training_is_the_same_with_and_without_kernels():
+    """Two SGD steps of ResNet-20 under Gist `all` (DPR and SSDC stashes): the same losses and
+    weights, bit for bit, with the kernels on and off."""
+    import os
+
+    import minigist
+    path = os.path.join(os.path.dirname(__file__), "..", "models", "resnet20.prototxt")
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(2)]
+    results = []
+    for on in (False, True):
+        with kernels.use_kernels(on):
+            net = minigist.Net(path, batch_size=4, seed=0, gist="all", dpr="fp16")
+            net.calibrate(batches)
+            losses = [net.train_step(*batch) for batch in batches]
+            results.append((losses, {k: v.copy() for k, v in net.params().items()}))
+    (losses_off, weights_off), (losses_on, weights_on) = results
+    assert losses_on == losses_off
+    assert all(weights_on[k].tobytes() == weights_off[k].tobytes() for k in weights_off)

@@ -25,46 +25,9 @@ SSDC with fp10 values (3 per word) stays on the ufunc path, and so do the bit-pa
 (mask-1bit, index-4bit, relu-pool-4bit), whose ufunc code is already a few passes.
 The kernels run on one thread (see the note above dpr_encode).
 """
-import contextlib
-import os
-
 import numpy as np
 
-try:
-    import numba
-except ImportError:        # the ufunc path serves
-    numba = None
-
-_enabled = numba is not None and os.environ.get("MINIGIST_KERNELS", "numba") != "numpy"
-
-
-def available():
-    """True when numba is installed (whether or not the kernels are switched on)."""
-    return numba is not None
-
-
-def active(xp, *arrays):
-    """Whether the kernels serve this call: on, xp is numpy and every array is C-contiguous."""
-    return _enabled and xp is np and all(a.flags.c_contiguous for a in arrays)
-
-
-def set_kernels(on):
-    """Switch the kernels on or off for the whole process; returns the previous setting.
-    Switching on without numba raises ImportError."""
-    global _enabled
-    if on and numba is None:
-        raise ImportError("minigist's compiled kernels need numba: pip install minigist[fast]")
-    previous, _enabled = _enabled, bool(on)
-    return previous
-
-
-@contextlib.contextmanager
-def use_kernels(on):
-    previous = set_kernels(on)
-    try:
-        yield
-    finally:
-        set_kernels(previous)
+from ..jit import _host_has, active, available, numba, set_kernels, use_kernels  # noqa: F401
 
 
 def describe(xp=np):
@@ -464,12 +427,6 @@ def dpr_encode(u, codes, p, per):
 def dpr_decode(codes, out_u, p, per):
     """DPR codes -> float32 bits out_u (out_u.size values)."""
     _dpr_decode(codes, out_u, p, per)
-
-
-def _host_has(*features):
-    from llvmlite import binding
-    host = binding.get_host_cpu_features()
-    return numba.config.CPU_NAME is None and all(host.get(f, False) for f in features)
 
 
 # the compress/expand kernels: on a host with AVX-512 F, BW and VBMI2 (numba compiling for

@@ -1,0 +1,56 @@
+"""The switch for minigist's optional compiled CPU kernels (numba).
+
+Kernels live beside the code they speed up (minigist/codecs/kernels.py: Gist's codecs) and
+give the same bytes as the `xp` code they replace. They serve a call when numba is importable (`pip install minigist[fast]`), they are
+switched on (the default; MINIGIST_KERNELS=numpy in the environment, `set_kernels(False)` or
+`use_kernels(False)` switch them off), xp is numpy, and the arrays are C-contiguous.
+"""
+import contextlib
+import os
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:        # the xp code serves
+    numba = None
+
+_enabled = numba is not None and os.environ.get("MINIGIST_KERNELS", "numba") != "numpy"
+
+
+def available():
+    """True when numba is installed (whether or not the kernels are switched on)."""
+    return numba is not None
+
+
+def active(xp, *arrays):
+    """Whether the kernels serve this call: on, xp is numpy and every array is C-contiguous."""
+    return _enabled and xp is np and all(a.flags.c_contiguous for a in arrays)
+
+
+def set_kernels(on):
+    """Switch the kernels on or off for the whole process; returns the previous setting.
+    Switching on without numba raises ImportError."""
+    global _enabled
+    if on and numba is None:
+        raise ImportError("minigist's compiled kernels need numba: pip install minigist[fast]")
+    previous, _enabled = _enabled, bool(on)
+    return previous
+
+
+@contextlib.contextmanager
+def use_kernels(on):
+    previous = set_kernels(on)
+    try:
+        yield
+    finally:
+        set_kernels(previous)
+
+
+def _host_has(*features):
+    """Whether numba compiles for this host and its CPU has every one of `features`."""
+    if numba is None:
+        return False
+    from llvmlite import binding
+    host = binding.get_host_cpu_features()
+    return numba.config.CPU_NAME is None and all(host.get(f, False) for f in features)
