@@ -172,13 +172,14 @@ def test_describe_names_the_path():
         assert kernels.describe(np) == "ufunc path (switched off)"
 
 
-def test_training_is_the_same_with_and_without_kernels():
-    """Two SGD steps of ResNet-20 under Gist `all` (DPR and SSDC stashes): the same losses and
-    weights, bit for bit, with the kernels on and off."""
+@pytest.mark.parametrize("model", ["resnet20", "vgg_small", "inception_small"])
+def test_training_is_the_same_with_and_without_kernels(model):
+    """Two SGD steps under Gist `all` (DPR and SSDC stashes; mask and ReLU->pool codes, which
+    stay on the xp path): the same losses and weights, bit for bit, with the kernels on and off."""
     import os
 
     import minigist
-    path = os.path.join(os.path.dirname(__file__), "..", "models", "resnet20.prototxt")
+    path = os.path.join(os.path.dirname(__file__), "..", "models", model + ".prototxt")
     rng = np.random.default_rng(5)
     batches = [(rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(2)]
     results = []
