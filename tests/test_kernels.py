@@ -192,3 +192,24 @@ def test_training_is_the_same_with_and_without_kernels(model):
     (losses_off, weights_off), (losses_on, weights_on) = results
     assert losses_on == losses_off
     assert all(weights_on[k].tobytes() == weights_off[k].tobytes() for k in weights_off)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 65536 * 2 + 13])
+def test_bit_packing_same_bytes(n):
+    """mask-1bit (float and bool inputs) and index-{1,2,4}bit: the kernels pack the bytes the
+    ufunc path packs, and unpack them back the same."""
+    from minigist.codecs.bits import BitMask, PackedCodes
+    x = RNG.standard_normal(n).astype(np.float32)
+    x[:min(n, 4)] = [np.nan, -0.0, 0.0, np.inf][:min(n, 4)]
+    cases = [(BitMask(), x, np.bool_), (BitMask(), x > 0.5, np.bool_)]
+    cases += [(PackedCodes(bits), RNG.integers(0, 1 << bits, n).astype(np.uint8), np.uint8) for bits in (1, 2, 4)]
+    for codec, value, out_dtype in cases:
+        def roundtrip():
+            enc = {k: np.full(d.shape, 0x5A, d.dtype) for k, d in codec.encoded(value.shape).items()}
+            ws = {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(value.shape, "encode").items()}
+            codec.encode(np, value, enc, ws)
+            out = np.zeros(value.shape, out_dtype)
+            ws = {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(value.shape, "decode").items()}
+            codec.decode(np, enc, out, ws)
+            return b"".join(a.tobytes() for a in enc.values()), out.tobytes()
+        assert ufunc_then_kernel(roundtrip)[0] == ufunc_then_kernel(roundtrip)[1]

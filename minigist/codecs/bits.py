@@ -20,6 +20,7 @@ numpy 2 runs ufuncs with Python-int scalars on a slower path.)
 import numpy as np
 
 from ..layers.base import TensorDecl
+from . import kernels
 from .base import Codec
 
 CHUNK = 1 << 16            # elements per chunk: a multiple of 256 (SSDC rows) and of 8
@@ -128,6 +129,12 @@ class BitMask(Codec):
         flat = x.reshape(-1)
         bits, words = enc["bits"], ws["words"]
         is_bool = flat.dtype == np.bool_
+        if kernels.active(xp, flat, bits):      # one compiled pass (minigist/codecs/kernels.py)
+            if is_bool:
+                kernels.pack_codes(flat.view(np.uint8), bits, 1)
+            else:
+                kernels.pack_positive(flat, bits)
+            return
         for c0, c1 in chunks(flat.size, self.chunk):
             target = bool_bytes(xp, words, c1 - c0)
             if is_bool:
@@ -137,7 +144,11 @@ class BitMask(Codec):
             pack_words(xp, words, c1 - c0, bits[c0 // 8:])
 
     def decode(self, xp, enc, out, ws):
-        unpack_mask(xp, enc["bits"], out.reshape(-1), ws["words"], self.chunk)
+        flat = out.reshape(-1)
+        if flat.dtype == np.bool_ and kernels.active(xp, enc["bits"], flat):
+            kernels.unpack_codes(enc["bits"], flat.view(np.uint8), 1)
+            return
+        unpack_mask(xp, enc["bits"], flat, ws["words"], self.chunk)
 
 
 # gathering 8/bits codes (one per byte of a lane) into one byte is one multiply: lane dtype,
@@ -184,6 +195,9 @@ class PackedCodes(Codec):
         codes, dst, lanes = x.reshape(-1), enc["codes"], ws["lanes"]
         bits, per = self.bits, self.per
         n = codes.size
+        if codes.dtype == np.uint8 and kernels.active(xp, codes, dst):
+            kernels.pack_codes(codes, dst, bits)
+            return
         full = n - n % per
         direct = codes.dtype == np.uint8
         for c0, c1 in chunks(full, self.chunk):       # chunk is a multiple of per
@@ -209,6 +223,9 @@ class PackedCodes(Codec):
         src, flat, lanes = enc["codes"], out.reshape(-1), ws["lanes"]
         bits, per = self.bits, self.per
         n = flat.size
+        if flat.dtype == np.uint8 and kernels.active(xp, src, flat):
+            kernels.unpack_codes(src, flat, bits)
+            return
         full = n - n % per
         direct = flat.dtype == np.uint8
         for c0, c1 in chunks(full, self.chunk):

@@ -21,8 +21,8 @@ environment, or `use_kernels(False)`, forces the ufunc path (the benchmarks time
 Compiled code is cached next to this file (numba's `cache=True`), so only the first run on a
 machine pays the compile time (about 10 s).
 
-SSDC with fp10 values (3 per word) stays on the ufunc path, and so do the bit-packing codecs
-(mask-1bit, index-4bit, relu-pool-4bit), whose ufunc code is already a few passes.
+The bit-packing codecs (mask-1bit, index-{1,2,4}bit, and the packing step of relu-pool-4bit)
+pack and unpack in one loop too. SSDC with fp10 values (3 per word) stays on the ufunc path.
 The kernels run on one thread (see the note above dpr_encode).
 """
 import numpy as np
@@ -412,6 +412,74 @@ if numba is not None:
                 out_u[base + j] = _dense(codes[j], p, rounded)
         tail = n - n % WIDE
         _ssdc_decode_bitmap(bitmap[tail // 8:], values, off, out_u[tail:], p, rounded)
+
+
+    # ---- bit packing (mask-1bit, index-{1,2,4}bit): bytes in numpy.packbits order, the
+    # first element in the top bits; a last partial byte has its low bits 0 ----------------
+    @_jit
+    def pack_positive(x, dst):
+        """dst <- 1 bit per element of x: x > 0 (a float ReLU output; NaN gives 0)."""
+        n = x.size
+        for b in range(n // 8):
+            byte = 0
+            for j in range(8):
+                byte |= (1 if x[8 * b + j] > 0 else 0) << (7 - j)
+            dst[b] = byte
+        if n % 8:
+            byte = 0
+            for j in range(n % 8):
+                byte |= (1 if x[n - n % 8 + j] > 0 else 0) << (7 - j)
+            dst[n // 8] = byte
+
+    @_jit
+    def pack_codes(codes, dst, bits):
+        """dst <- codes (uint8, each below 2**bits; bits 1, 2 or 4), 8 // bits per byte."""
+        per = 8 // bits
+        n = codes.size
+        if bits == 1:
+            for b in range(n // 8):
+                byte = 0
+                for j in range(8):
+                    byte |= (codes[8 * b + j] & 1) << (7 - j)
+                dst[b] = byte
+        elif bits == 4:
+            for b in range(n // 2):
+                dst[b] = (codes[2 * b] << 4) | codes[2 * b + 1]
+        else:
+            for b in range(n // per):
+                byte = 0
+                for j in range(per):
+                    byte |= codes[per * b + j] << (bits * (per - 1 - j))
+                dst[b] = byte
+        if n % per:
+            byte = 0
+            for j in range(n % per):
+                byte |= codes[n - n % per + j] << (bits * (per - 1 - j))
+            dst[n // per] = byte
+
+    @_jit
+    def unpack_codes(src, out, bits):
+        """out (uint8, or bool viewed as uint8) <- the codes packed in src."""
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        n = out.size
+        if bits == 1:
+            for b in range(n // 8):
+                byte = src[b]
+                for j in range(8):
+                    out[8 * b + j] = (byte >> (7 - j)) & 1
+        elif bits == 4:
+            for b in range(n // 2):
+                byte = src[b]
+                out[2 * b] = byte >> 4
+                out[2 * b + 1] = byte & 15
+        else:
+            for b in range(n // per):
+                byte = src[b]
+                for j in range(per):
+                    out[per * b + j] = (byte >> (bits * (per - 1 - j))) & mask
+        for j in range(n % per):
+            out[n - n % per + j] = (src[n // per] >> (bits * (per - 1 - j))) & mask
 
 
 # ---- what the codecs call ----------------------------------------------------------------
