@@ -563,3 +563,21 @@ def test_small_chunks():
         SSDC(10, chunk=100)
     with pytest.raises(ValueError):
         DPR("fp10", chunk=100)
+
+
+def test_ssdc_refuses_a_header_it_did_not_write():
+    """A header claiming more non-zeros than the capacity (or a format the codec does not
+    reserve) is refused before anything is read past the values: decode raises."""
+    shape = (3, 700)
+    x = relu_like(shape, 0.3)
+    codec = SSDC(int(np.count_nonzero(x)), formats=("bitmap",))
+    ok, enc, out = roundtrip(codec, x)
+    assert ok is True and out.tobytes() == x.tobytes()
+    data = enc.arrays["data"]
+    data[1] = codec.capacity + 1
+    with pytest.raises(ValueError, match="capacity"):
+        codec.decode(np, enc.arrays, np.empty(shape, np.float32), {})
+    data[1] = 5
+    data[0] = 1                                  # csr, which this codec reserves no room for
+    with pytest.raises(ValueError, match="capacity"):
+        codec.decode(np, enc.arrays, np.empty(shape, np.float32), {})

@@ -259,6 +259,10 @@ class SSDC(Codec):
         fmt, nnz = self.header(enc)
         o = out.reshape(-1).view(xp.uint32)
         n = o.size
+        if nnz > min(self.capacity, n) or fmt not in self.formats:
+            # not this codec's encoding of a tensor of this size: nothing to decode safely
+            raise ValueError(f"SSDC: enc holds {nnz} non-zeros in {fmt} for a capacity of "
+                             f"{min(self.capacity, n)} in {'/'.join(self.formats)}")
         v = self._views(xp, enc["data"], n)
         if nnz and self._kernel_serves(xp, o, enc["data"]):
             if fmt == "csr":
