@@ -7,6 +7,8 @@ used byte of the chosen format. Every test runs with the plain kernels (integer 
 SSDC) and, on a CPU that has the instructions, with the fast ones (fp16 through F16C,
 kernels.HALF; SSDC through AVX-512 compress/expand, kernels.VECTOR).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -213,3 +215,53 @@ def test_bit_packing_same_bytes(n):
             codec.decode(np, enc, out, ws)
             return b"".join(a.tobytes() for a in enc.values()), out.tobytes()
         assert ufunc_then_kernel(roundtrip)[0] == ufunc_then_kernel(roundtrip)[1]
+
+
+@pytest.mark.parametrize("fmt", ["bitmap", "csr"])
+def test_ssdc_kernels_refuse_a_corrupt_encoding(fmt):
+    """A bitmap or row pointers that disagree with the header are refused (ValueError) before
+    any value is read: the kernels read one value per set bit / per row-pointer step."""
+    n = 4096
+    x = ssdc_input(n, 0.05)
+    codec = SSDC(n, "fp16", formats=(fmt,))
+    enc = {k: np.zeros(d.shape, d.dtype) for k, d in codec.encoded((n,)).items()}
+    assert codec.encode(np, x, enc, {}) is True
+    views = codec._views(np, enc["data"], n)
+    if fmt == "bitmap":
+        views["bitmap"][:n // 8] = 0xFF
+    else:
+        views["rowptr"][3] = views["rowptr"][4] + 1
+    with pytest.raises(ValueError):
+        codec.decode(np, enc, np.empty(n, np.float32), {})
+
+
+def test_kernels_compile_for_a_generic_cpu(tmp_path):
+    """With numba compiling for a CPU without F16C or AVX-512 (NUMBA_CPU_NAME=generic), the
+    kernels take their plain forms and give the ufunc path's bytes (the half conversions must
+    not even be compiled there: LLVM would abort the process)."""
+    import subprocess
+    import sys
+    script = (
+        "import numpy as np\n"
+        "from minigist.codecs import kernels\n"
+        "from minigist.codecs.dpr import DPR\n"
+        "from minigist.codecs.ssdc import SSDC\n"
+        "assert not kernels.HALF and not kernels.VECTOR\n"
+        "x = np.maximum(np.random.default_rng(0).standard_normal(5000).astype(np.float32), 0)\n"
+        "for codec in (DPR('fp16'), DPR('fp8-e4m3'), SSDC(5000, 'fp32'), SSDC(5000, 'fp16')):\n"
+        "    got = []\n"
+        "    for on in (False, True):\n"
+        "        with kernels.use_kernels(on):\n"
+        "            enc = {k: np.zeros(d.shape, d.dtype) for k, d in codec.encoded(x.shape).items()}\n"
+        "            ws = {k: np.zeros(d.shape, d.dtype) for k, d in codec.workspace(x.shape, 'encode').items()}\n"
+        "            codec.encode(np, x, enc, ws)\n"
+        "            out = np.zeros_like(x)\n"
+        "            ws = {k: np.zeros(d.shape, d.dtype) for k, d in codec.workspace(x.shape, 'decode').items()}\n"
+        "            codec.decode(np, enc, out, ws)\n"
+        "            got.append(out.tobytes())\n"
+        "    assert got[0] == got[1], codec.name\n"
+        "print('ok')\n")
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

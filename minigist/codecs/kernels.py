@@ -13,7 +13,12 @@ over-capacity tensor is refused before anything is written.
 They write exactly the bytes the ufunc path writes (tests/test_kernels.py compares the two
 bit for bit, specials included, with and without HALF / VECTOR; tests/test_codecs.py runs on
 both paths), so footprints, plans and results do not depend on which path ran; the planned
-workspaces are declared either way (the kernels leave them unused).
+workspaces are declared either way (the kernels leave them unused). One exception: with the
+CPU's flush-to-zero / denormals-are-zero modes on (torch.set_flush_denormal(True), say), the
+ufunc DPR decode turns the target format's subnormals into 0 (it computes them as float32
+denormals, see minigist/codecs/dpr.py), while the kernels decode them exactly. A decode checks
+the encoding against its header first (the bitmap's set bits, or csr's row pointers), since
+the kernels read one value per non-zero without bounds checks.
 
 They run when numba is importable (`pip install minigist[fast]`), `xp` is numpy and the arrays
 are contiguous; otherwise the codecs take the ufunc path. MINIGIST_KERNELS=numpy in the
@@ -49,6 +54,14 @@ def dpr_params(dpr):
 
 FP32_PARAMS = (0,) * 15    # values kept as float32 bits (SSDC "fp32"): the kernels copy them
 
+# The CPU's features, as numba compiles for them (a generic target, NUMBA_CPU_NAME=generic, has
+# none): the compress/expand kernels need AVX-512 F, BW and VBMI2 (set_vector(False) selects the
+# scalar ones; the tests run both); fp16 goes through F16C's conversions where it has them.
+VECTOR = _host_has("avx512f", "avx512bw", "avx512vbmi2")
+_vector = VECTOR
+HALF = _host_has("f16c")
+_half = HALF
+
 
 if numba is not None:
     from llvmlite import ir as _ir
@@ -62,20 +75,31 @@ if numba is not None:
     # below for encode, 2.6x for decode. Round to nearest even, subnormals, overflow to Inf and
     # signed zeros are IEEE's, as in the integer path; NaNs are fixed up to the integer path's
     # codes (the hardware keeps payloads: encode writes the canonical quiet NaN instead, decode
-    # of a signalling-NaN code keeps it signalling).
-    @_intrinsic
-    def _half_from_bits(typingctx, bits):
-        def codegen(context, builder, signature, args):
-            half = builder.fptrunc(builder.bitcast(args[0], _ir.FloatType()), _ir.HalfType())
-            return builder.zext(builder.bitcast(half, _ir.IntType(16)), _ir.IntType(32))
-        return numba.types.uint32(bits), codegen
+    # of a signalling-NaN code keeps it signalling). Without F16C, LLVM would lower the half
+    # conversions to a library call the JIT cannot link (the process aborts), so there the
+    # branch that uses them gets stand-ins instead; it is never taken (p[14] is 0 then).
+    if HALF:
+        @_intrinsic
+        def _half_from_bits(typingctx, bits):
+            def codegen(context, builder, signature, args):
+                half = builder.fptrunc(builder.bitcast(args[0], _ir.FloatType()), _ir.HalfType())
+                return builder.zext(builder.bitcast(half, _ir.IntType(16)), _ir.IntType(32))
+            return numba.types.uint32(bits), codegen
 
-    @_intrinsic
-    def _bits_from_half(typingctx, code):
-        def codegen(context, builder, signature, args):
-            half = builder.bitcast(builder.trunc(args[0], _ir.IntType(16)), _ir.HalfType())
-            return builder.bitcast(builder.fpext(half, _ir.FloatType()), _ir.IntType(32))
-        return numba.types.uint32(code), codegen
+        @_intrinsic
+        def _bits_from_half(typingctx, code):
+            def codegen(context, builder, signature, args):
+                half = builder.bitcast(builder.trunc(args[0], _ir.IntType(16)), _ir.HalfType())
+                return builder.bitcast(builder.fpext(half, _ir.FloatType()), _ir.IntType(32))
+            return numba.types.uint32(code), codegen
+    else:
+        @_jit
+        def _half_from_bits(bits):
+            return _U32(0)
+
+        @_jit
+        def _bits_from_half(code):
+            return _U32(0)
 
     @_jit
     def _encode_one(x, p):
@@ -278,6 +302,29 @@ if numba is not None:
                 off += 1
             else:
                 out_u[i] = 0
+
+    @_jit
+    def _bitmap_count(bitmap, n):
+        """Set bits among the first n of the bitmap (numpy.packbits order)."""
+        count = 0
+        for b in range(n // 8):
+            v = np.uint32(bitmap[b])
+            v = v - ((v >> _U32(1)) & _U32(0x55))
+            v = (v & _U32(0x33)) + ((v >> _U32(2)) & _U32(0x33))
+            count += (v + (v >> _U32(4))) & _U32(0x0F)
+        for j in range(n % 8):
+            count += (bitmap[n // 8] >> (7 - j)) & 1
+        return count
+
+    @_jit
+    def _rowptr_ok(rowptr, nnz):
+        """Whether the row pointers go from 0 to nnz without stepping back."""
+        if rowptr[0] != 0 or rowptr[rowptr.size - 1] != nnz:
+            return False
+        for r in range(rowptr.size - 1):
+            if rowptr[r + 1] < rowptr[r]:
+                return False
+        return True
 
     @_jit
     def _ssdc_decode_csr(rowptr, cols, values, out_u, p, rounded):
@@ -497,15 +544,6 @@ def dpr_decode(codes, out_u, p, per):
     _dpr_decode(codes, out_u, p, per)
 
 
-# the compress/expand kernels: on a host with AVX-512 F, BW and VBMI2 (numba compiling for
-# the host); set_vector(False) selects the scalar ones (the tests run both)
-VECTOR = numba is not None and _host_has("avx512f", "avx512bw", "avx512vbmi2")
-_vector = VECTOR
-# fp16 through the CPU's conversion instructions, where it has them (F16C)
-HALF = numba is not None and _host_has("f16c")
-_half = HALF
-
-
 def set_half(on):
     """Encode and decode fp16 with F16C (only where HALF); returns the previous setting. Takes
     effect for the calls made after it (the DPR parameters are read at each call)."""
@@ -538,12 +576,22 @@ def ssdc_encode_csr(u, rowptr, cols, values, nnz, p, rounded):
         _ssdc_encode_csr(u, rowptr, cols, values, 0, nnz, p, rounded)
 
 
-def ssdc_decode_bitmap(bitmap, values, out_u, p, rounded):
+def _corrupt(what, nnz):
+    return ValueError(f"SSDC: the encoding's {what} disagrees with its header ({nnz} non-zeros)")
+
+
+def ssdc_decode_bitmap(bitmap, values, out_u, nnz, p, rounded):
+    """Checks that the bitmap holds nnz set bits first: the kernels read one value per set bit."""
+    if _bitmap_count(bitmap, out_u.size) != nnz:
+        raise _corrupt("bitmap", nnz)
     if _vector:
         _ssdc_decode_bitmap_vector(bitmap, values, out_u, p, rounded)
     else:
         _ssdc_decode_bitmap(bitmap, values, 0, out_u, p, rounded)
 
 
-def ssdc_decode_csr(rowptr, cols, values, out_u, p, rounded):
+def ssdc_decode_csr(rowptr, cols, values, out_u, nnz, p, rounded):
+    """Checks the row pointers first (0 .. nnz, never decreasing): they index values and cols."""
+    if not _rowptr_ok(rowptr, nnz):
+        raise _corrupt("row pointers", nnz)
     _ssdc_decode_csr(rowptr, cols, values, out_u, p, rounded)

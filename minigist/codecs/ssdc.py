@@ -266,9 +266,9 @@ class SSDC(Codec):
         v = self._views(xp, enc["data"], n)
         if nnz and self._kernel_serves(xp, o, enc["data"]):
             if fmt == "csr":
-                kernels.ssdc_decode_csr(v["rowptr"], v["cols"], v["values"], o, *self._kernel_args)
+                kernels.ssdc_decode_csr(v["rowptr"], v["cols"], v["values"], o, nnz, *self._kernel_args)
             else:
-                kernels.ssdc_decode_bitmap(v["bitmap"], v["values"], o, *self._kernel_args)
+                kernels.ssdc_decode_bitmap(v["bitmap"], v["values"], o, nnz, *self._kernel_args)
             return
         load = self._load_fp32 if self.dpr is None else self._load_dpr
         if fmt == "bitmap":
