@@ -24,7 +24,8 @@ They run when numba is importable (`pip install minigist[fast]`), `xp` is numpy 
 are contiguous; otherwise the codecs take the ufunc path. MINIGIST_KERNELS=numpy in the
 environment, or `use_kernels(False)`, forces the ufunc path (the benchmarks time both).
 Compiled code is cached next to this file (numba's `cache=True`), so only the first run on a
-machine pays the compile time (about 10 s).
+machine pays the compile time (about 4 s for a train.py run under --gist all; later runs
+load them from the cache, numba's import adds about 0.4 s).
 
 The bit-packing codecs (mask-1bit, index-{1,2,4}bit, and the packing step of relu-pool-4bit)
 pack and unpack in one loop too. SSDC with fp10 values (3 per word) stays on the ufunc path.
