@@ -214,7 +214,8 @@ def test_bit_packing_same_bytes(n):
             ws = {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(value.shape, "decode").items()}
             codec.decode(np, enc, out, ws)
             return b"".join(a.tobytes() for a in enc.values()), out.tobytes()
-        assert ufunc_then_kernel(roundtrip)[0] == ufunc_then_kernel(roundtrip)[1]
+        ufunc, kernel = ufunc_then_kernel(roundtrip)
+        assert ufunc == kernel
 
 
 @pytest.mark.parametrize("fmt", ["bitmap", "csr"])

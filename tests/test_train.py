@@ -365,29 +365,17 @@ def test_lr_schedule_and_epoch_batches():
 
 # five 3x3 convolutions, each over the ReLU output of the one before: SSDC candidates whose
 # stashes are all alive at the backward peak
-SPARSE = """
-name: "sparse"
-layer { name: "data" type: "Input" top: "data" top: "label"
-  input_param { shape { dim: 4 dim: 3 dim: 32 dim: 32 } shape { dim: 4 } } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
-layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
-layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
-  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
-layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
-layer { name: "conv3" type: "Convolution" bottom: "conv2" top: "conv3"
-  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
-layer { name: "relu3" type: "ReLU" bottom: "conv3" top: "conv3" }
-layer { name: "conv4" type: "Convolution" bottom: "conv3" top: "conv4"
-  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
-layer { name: "relu4" type: "ReLU" bottom: "conv4" top: "conv4" }
-layer { name: "conv5" type: "Convolution" bottom: "conv4" top: "conv5"
-  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
-layer { name: "relu5" type: "ReLU" bottom: "conv5" top: "conv5" }
-layer { name: "fc" type: "InnerProduct" bottom: "conv5" top: "fc"
-  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
-"""
+SPARSE = "\n".join(
+    ['name: "sparse"',
+     'layer { name: "data" type: "Input" top: "data" top: "label"\n'
+     '  input_param { shape { dim: 4 dim: 3 dim: 32 dim: 32 } shape { dim: 4 } } }']
+    + [f'layer {{ name: "conv{i}" type: "Convolution" bottom: "{"data" if i == 1 else f"conv{i - 1}"}" '
+       f'top: "conv{i}"\n  convolution_param {{ num_output: 32 kernel_size: 3 pad: 1 '
+       f'weight_filler {{ type: "msra" }} }} }}\n'
+       f'layer {{ name: "relu{i}" type: "ReLU" bottom: "conv{i}" top: "conv{i}" }}' for i in range(1, 6)]
+    + ['layer { name: "fc" type: "InnerProduct" bottom: "conv5" top: "fc"\n'
+       '  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }',
+       'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }']) + "\n"
 
 
 def test_memory_budget_is_held_against_the_calibrated_plan(tmp_path):

@@ -29,7 +29,10 @@ load them from the cache, numba's import adds about 0.4 s).
 
 The bit-packing codecs (mask-1bit, index-{1,2,4}bit, and the packing step of relu-pool-4bit)
 pack and unpack in one loop too. SSDC with fp10 values (3 per word) stays on the ufunc path.
-The kernels run on one thread (see the note above dpr_encode).
+The kernels run on one thread: the codecs run between BLAS calls, and OpenBLAS's threads keep
+spinning for a while after each; split over two threads (numba's prange, with the OpenMP and
+the workqueue layers) they made a ResNet-20 step under all + fp16 slower, 1.2x to 4.4x of no
+Gist instead of 1.13x.
 """
 import numpy as np
 
@@ -148,7 +151,7 @@ if numba is not None:
         return bits | ((_U32(c) >> _U32(p[12])) << _U32(31))
 
     @_jit
-    def _dpr_encode(u, codes, p, per):
+    def dpr_encode(u, codes, p, per):
         """float32 bits u -> codes (per = 1: one code per unit; 3: fp10, three per word)."""
         if per == 1:
             for i in range(u.size):
@@ -166,7 +169,7 @@ if numba is not None:
             codes[full] = word
 
     @_jit
-    def _dpr_decode(codes, out_u, p, per):
+    def dpr_decode(codes, out_u, p, per):
         """codes -> float32 bits out_u (len(out_u) values)."""
         if per == 1:
             for i in range(out_u.size):
@@ -249,7 +252,6 @@ if numba is not None:
         n = u.size
         codes = np.empty(BLOCK, np.uint32)
         nonzero = np.empty(BLOCK, np.uint8)
-        room = end
         for block in range(n // BLOCK):
             base = block * BLOCK
             col0 = base % 256
@@ -257,7 +259,7 @@ if numba is not None:
                 x = u[base + j]
                 codes[j] = _value(x, p, rounded)
                 nonzero[j] = x != _U32(0)
-            if off + BLOCK <= room:
+            if off + BLOCK <= end:
                 for j in range(BLOCK):
                     values[off] = codes[j]
                     cols[off] = col0 + j
@@ -531,20 +533,6 @@ if numba is not None:
 
 
 # ---- what the codecs call ----------------------------------------------------------------
-# One thread: the codecs run between BLAS calls, and OpenBLAS's threads keep spinning for a while
-# after each; kernels split over two threads (numba's prange, tried with the OpenMP and the
-# workqueue layers) made a ResNet-20 step under all + fp16 slower, 1.2x to 4.4x of no Gist
-# instead of 1.13x.
-def dpr_encode(u, codes, p, per):
-    """float32 bits u -> DPR codes (per = 1: one per unit; 3: fp10, three per uint32 word)."""
-    _dpr_encode(u, codes, p, per)
-
-
-def dpr_decode(codes, out_u, p, per):
-    """DPR codes -> float32 bits out_u (out_u.size values)."""
-    _dpr_decode(codes, out_u, p, per)
-
-
 def set_half(on):
     """Encode and decode fp16 with F16C (only where HALF); returns the previous setting. Takes
     effect for the calls made after it (the DPR parameters are read at each call)."""

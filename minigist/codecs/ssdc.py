@@ -218,9 +218,15 @@ class SSDC(Codec):
                 kernels.ssdc_encode_csr(u, v["rowptr"], v["cols"], v["values"], nnz, *self._kernel_args)
             else:
                 kernels.ssdc_encode_bitmap(u, v["bitmap"], v["values"], nnz, *self._kernel_args)
-            data[0:1].fill(FORMAT_IDS[fmt])
-            data[1:2].fill(nnz)
-            return True
+        else:
+            self._store(xp, u, fmt, v, ws)
+        data[0:1].fill(FORMAT_IDS[fmt])
+        data[1:2].fill(nnz)
+        return True
+
+    def _store(self, xp, u, fmt, v, ws):
+        """The ufunc path of encode: u's non-zeros into the views v of the chosen format."""
+        n = u.size
         store = self._store_fp32 if self.dpr is None else self._store_dpr
         off = 0
         if fmt == "csr":
@@ -249,9 +255,6 @@ class SSDC(Codec):
                 store(xp, v["values"], uc, idx, off, ws)
                 pack_words(xp, words, c1 - c0, bitmap[c0 // 8:])
                 off += idx.size
-        data[0:1].fill(FORMAT_IDS[fmt])
-        data[1:2].fill(nnz)
-        return True
 
     def decode(self, xp, enc, out, ws):
         if out.dtype != np.float32:

@@ -21,9 +21,8 @@ def _channel_sums(xp, values, out, ones, rows):
     """out (C,) <- the sums of values (b, C, S) over axes 0 and 2: a matrix-vector product
     with a vector of ones into rows (at least b of them, C wide), then a sum down the b rows.
     BLAS's gemv does this 3-5x faster on a CPU than xp.sum over the two axes. ones (S,) is
-    workspace: filled here, it holds nothing between steps."""
+    workspace, which holds nothing between steps: the layer fills it once per pass."""
     b = values.shape[0]
-    ones.fill(1)
     xp.matmul(values, ones, out=rows[:b])
     xp.sum(rows[:b], axis=0, out=out)
 
@@ -138,6 +137,7 @@ class BatchNorm(Layer):
         n, _, s = self.shape3
         m = n * s
         square, sums = ws["square"], ws["sums"]
+        ws["ones"].fill(1)
         chunk = square.shape[0]
         starts = range(0, n, chunk)
         mean, part = sums[0], sums[1]
@@ -184,6 +184,7 @@ class BatchNorm(Layer):
         n, c, s = self.shape3
         m = n * s
         product, sums = ws["product"], ws["sums"]
+        ws["ones"].fill(1)
         chunk = product.shape[0]
         starts = range(0, n, chunk)
         mean_gy_y, mean_gy, part = sums[0], sums[1], sums[2]
@@ -289,6 +290,8 @@ class Scale(Layer):
         gy3 = gy[0].reshape(self.shape3)
         gscale = gp[0].reshape(-1) if gp[0] is not None else None
         gbias = gp[1].reshape(-1) if self.bias_term and gp[1] is not None else None
+        if gscale is not None:
+            ws["ones"].fill(1)
         if gbias is not None:
             if gscale is not None:
                 _channel_sums(xp, gy3, gbias, ws["ones"], ws["rows"])
