@@ -109,6 +109,12 @@ CONV_CASES = [
     ("num_output: 3 kernel_size: 1 stride: 2 pad: 1", (2, 2, 5, 4), (2, 2), (1, 1), (1, 1), 1, True),
     ("num_output: 2 kernel_size: 2 pad: 2", (1, 2, 4, 3), (1, 1), (2, 2), (1, 1), 1, True),
     ("num_output: 2 kernel_size: 3 pad: [1, 0]", (3, 1, 4, 5), (1, 1), (1, 0), (1, 1), 1, True),
+    # frames whose rows share their zero padding: no top padding (a window past a row's end
+    # reads the next row's border, the last sample's reads the slack), a wide kernel, and a
+    # pad larger than the kernel's reach (the padded gy is cropped)
+    ("num_output: 2 kernel_size: [1, 3] pad: [0, 1]", (3, 2, 4, 5), (1, 1), (0, 1), (1, 1), 1, True),
+    ("num_output: 2 kernel_size: 5 pad: 2", (3, 2, 6, 7), (1, 1), (2, 2), (1, 1), 1, True),
+    ("num_output: 2 kernel_size: 3 pad: 3", (3, 2, 4, 5), (1, 1), (3, 3), (1, 1), 1, True),
 ]
 CONV_IDS = [c[0] for c in CONV_CASES]
 
@@ -183,8 +189,9 @@ def test_conv_workspace_is_bounded_by_chunk():
     layer = make_layer(conv_text("num_output: 8 kernel_size: 3 pad: 1"), [(16, 8, 10, 10)])
     layer.batch_chunk = 4
     col = layer.workspace("forward")["col"]
-    # stride-1 columns of the padded input are taken at its full width, 10 + 2
-    assert col.shape == (4 * 8 * 9 * 10 * 12,)
+    # stride-1 columns of the padded input are taken at its frame's full width: 10 + 1, the
+    # rows sharing one zero column between them
+    assert col.shape == (4 * 8 * 9 * 10 * 11,)
 
 
 @pytest.mark.parametrize("body, shape, message", [

@@ -6,8 +6,10 @@ declared workspace:
 - `col`: the im2col columns of a chunk of `b` samples, laid out (C, kh, kw, b, OH, Wc), so
   that one GEMM per group, W (O/g, C/g*kh*kw) against (C/g*kh*kw, b*OH*Wc), covers the whole
   chunk; `yfold` takes its (O, b, OH, Wc) result before the bias is added on the way into y.
-  Wc is OW, or the padded width for stride-1 columns of a padded input: each column is then
-  one contiguous copy, and the extra columns are dropped (`_x_pass`);
+  Wc is OW, or the width of a padded frame for stride-1 columns of a padded input: each
+  column is then one contiguous copy, and the extra columns are dropped (`_x_pass`). The
+  frame's rows share their zero padding (`_frame_width`): the gap after one row is also the
+  left border of the next, so a 3x3 pad-1 convolution computes W + 1 columns per row, not W + 2;
 - `xpad`: the zero-padded input chunk the im2col view reads from (only with pad > 0), flat,
   with the few zeros more that the wide columns read past its end;
 - backward: `gyfold` (gy of a chunk as (O, b, OH, Wc)); `gwsum` (a later chunk's weight
@@ -74,6 +76,18 @@ def _staged(xp, stage, src):
     out = stage[:src.size].reshape(src.shape)
     xp.copyto(out, src)
     return out
+
+
+def _frame_width(width, pad, reach):
+    """Width of a stride-1 staging frame (a row of `width` inputs at column `pad`, zeros
+    around it) whose im2col is read as contiguous runs of the flattened frame, for a kernel
+    that reaches `reach` = dilation * (k - 1) columns. A window that runs past a row's right
+    end continues at the start of the next row: the zeros there serve as its right padding,
+    so the rows need `pad` zeros between them, not 2 * pad, and the frame must hold the
+    `width + 2 * pad - reach` outputs of a row. Never wider than the plain padded row."""
+    if pad < 0:
+        return width + 2 * pad
+    return min(width + 2 * pad, width + max(pad, 2 * pad - reach))
 
 
 def _im2col(xp, src, col, stride, dilation):
@@ -181,10 +195,12 @@ class Convolution(Layer):
         and the extra Wp - OW columns (garbage) are dropped from the GEMM's output and meet
         zeros in gy for the weight gradient. The last row of the last channel reads up to
         dw*(kw-1) elements past the input: the staging buffer holds that many zeros more."""
-        kw, sw, dw = self.kernel[1], self.stride[1], self.dilation[1]
-        if self.pad != (0, 0) and sw == 1 and kw > 1:
-            return self._padded_hw()[1], dw * (kw - 1)
+        if self._wide_x():
+            return self._frame_hw()[1], self.dilation[1] * (self.kernel[1] - 1)
         return self.out_hw[1], 0
+
+    def _wide_x(self):
+        return self.pad != (0, 0) and self.stride[1] == 1 and self.kernel[1] > 1
 
     def _gy_pass(self):
         """(Wc, slack) of the im2col of the padded gy (the transposed input gradient)."""
@@ -241,11 +257,25 @@ class Convolution(Layer):
         n, c, h, w = self.in_shape
         return h + 2 * self.pad[0], w + 2 * self.pad[1]
 
+    def _frame_hw(self):
+        """(Hp, Wx): the frame x is staged in (at offset pad) for the im2col view: padded,
+        with rows that share their zero padding when the columns are wide."""
+        hp, wp = self._padded_hw()
+        if self._wide_x():
+            n, c, h, w = self.in_shape
+            wp = _frame_width(w, self.pad[1], self.dilation[1] * (self.kernel[1] - 1))
+        return hp, wp
+
     def _gy_pad(self):
-        """(offset_h, offset_w, Hg, Wg): where gy sits in the padded gy of the transposed conv."""
+        """(offset_h, offset_w, Hg, Wg): where gy sits in the padded gy of the transposed conv
+        (a frame whose rows share their zero padding when its columns are wide)."""
         n, c, h, w = self.in_shape
         (kh, kw), (dh, dw), (ph, pw) = self.kernel, self.dilation, self.pad
-        return dh * (kh - 1) - ph, dw * (kw - 1) - pw, h + dh * (kh - 1), w + dw * (kw - 1)
+        qh, qw = dh * (kh - 1) - ph, dw * (kw - 1) - pw
+        wg = w + dw * (kw - 1)
+        if (qh, qw) != (0, 0) and kw > 1:
+            wg = _frame_width(self.out_hw[1], qw, dw * (kw - 1))
+        return qh, qw, h + dh * (kh - 1), wg
 
     def workspace(self, phase):
         n, c, h, w = self.in_shape
@@ -268,7 +298,7 @@ class Convolution(Layer):
             ws["gwsum"] = TensorDecl((g, self._gw_rows(), self.cols))
         ws["col"] = TensorDecl((b * self._col_elems(phase),))
         wcx, slack = self._x_pass()
-        hp, wp = self._padded_hw()
+        hp, wp = self._frame_hw()
         if self.pad != (0, 0) and (phase == "forward" or weight_grad):
             ws["xpad"] = TensorDecl((b * c * hp * wp + slack,))
         if phase == "forward":
@@ -284,7 +314,7 @@ class Convolution(Layer):
             ws["wflip"] = TensorDecl((g, c // g, o // g, kh, kw))
             ws["gxfold"] = TensorDecl((c * b * h * wcg,))
         elif self.pad != (0, 0):
-            ws["gxpad"] = TensorDecl((b, c, hp, wp))
+            ws["gxpad"] = TensorDecl((b, c) + self._padded_hw())
         return ws
 
     # ---- helpers ------------------------------------------------------------------------
@@ -311,7 +341,7 @@ class Convolution(Layer):
         """The (padded) input chunk the im2col view reads from."""
         if self.pad == (0, 0):
             return xc
-        return self._stage(xp, ws["xpad"], xc, self.pad, self._padded_hw(), first)
+        return self._stage(xp, ws["xpad"], xc, self.pad, self._frame_hw(), first)
 
     @staticmethod
     def _unfold(xp, fold, yc, bias):
