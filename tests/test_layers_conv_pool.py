@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from minigist import jit
 from minigist.errors import LayerSetupError
 from minigist.testing import LayerRun, check_gradients, make_layer
 
@@ -243,6 +244,15 @@ def pool_text(body):
     return f'name: "pool" type: "Pooling" bottom: "x" top: "y" pooling_param {{ {body} }}'
 
 
+@pytest.fixture(params=["xp", "kernels"])
+def pool_path(request):
+    """MAX pooling's two paths: the xp code and, with numba, its compiled kernels."""
+    if request.param == "kernels" and not jit.available():
+        pytest.skip("numba is not installed (pip install minigist[fast])")
+    with jit.use_kernels(request.param == "kernels"):
+        yield request.param
+
+
 # (param body, input shape, kernel, stride, pad, ceil)
 POOL_GEOMETRIES = [
     ("kernel_size: 2 stride: 2", (2, 3, 6, 4), (2, 2), (2, 2), (0, 0), True),
@@ -266,7 +276,7 @@ POOL_IDS = [g[0] for g in POOL_GEOMETRIES]
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 @pytest.mark.parametrize("geometry", POOL_GEOMETRIES, ids=POOL_IDS)
-def test_pool_forward_matches_caffe(geometry, method):
+def test_pool_forward_matches_caffe(geometry, method, pool_path):
     body, shape, kernel, stride, pad, ceil = geometry
     layer = make_layer(pool_text(f"pool: {method} {body}"), [shape])
     x = np.random.default_rng(10).standard_normal(shape)
@@ -286,7 +296,7 @@ def test_pool_forward_matches_caffe(geometry, method):
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 @pytest.mark.parametrize("geometry", POOL_GEOMETRIES, ids=POOL_IDS)
-def test_pool_gradients(geometry, method):
+def test_pool_gradients(geometry, method, pool_path):
     body, shape, kernel, stride, pad, ceil = geometry
     layer = make_layer(pool_text(f"pool: {method} {body}"), [shape])
     x = distinct(shape, np.random.default_rng(11))
@@ -329,7 +339,7 @@ def test_pool_ave_divisor_counts_padding_not_overhang():
     np.testing.assert_allclose(y[0, 0], np.outer(edge, edge))
 
 
-def test_pool_max_ties_take_the_first_in_window_order():
+def test_pool_max_ties_take_the_first_in_window_order(pool_path):
     rng = np.random.default_rng(13)
     x = rng.integers(0, 3, size=(2, 3, 7, 7)).astype(np.float64)     # many ties
     for body, kernel, stride, pad in [("kernel_size: 3 stride: 2 pad: 1", (3, 3), (2, 2), (1, 1)),
@@ -353,7 +363,7 @@ def test_pool_max_ties_take_the_first_in_window_order():
         np.testing.assert_allclose(gx, ref_gx, atol=1e-14)
 
 
-def test_pool_max_with_padding_never_picks_padding():
+def test_pool_max_with_padding_never_picks_padding(pool_path):
     x = -np.ones((1, 1, 4, 4)) - np.arange(16).reshape(1, 1, 4, 4)   # all negative
     layer = make_layer(pool_text("kernel_size: 3 stride: 2 pad: 1"), [x.shape])
     y = LayerRun(layer).forward([x])[0]
@@ -362,7 +372,7 @@ def test_pool_max_with_padding_never_picks_padding():
     assert (y < 0).all()
 
 
-def test_pool_empty_windows_behave_like_caffe():
+def test_pool_empty_windows_behave_like_caffe(pool_path):
     x = np.random.default_rng(14).standard_normal((1, 1, 4, 4))
     layer = make_layer(pool_text("kernel_size: 1 stride: 2"), [x.shape])
     run = LayerRun(layer)
@@ -404,7 +414,7 @@ def test_pool_global(method, shape):
         np.testing.assert_allclose(gx, expected, rtol=1e-12)
 
 
-def test_pool_global_max_ties_and_equivalence_with_explicit_kernel():
+def test_pool_global_max_ties_and_equivalence_with_explicit_kernel(pool_path):
     x = np.zeros((1, 2, 3, 3))
     x[0, 0, 1, 2] = x[0, 0, 2, 0] = 5.0        # tie: (1, 2) comes first
     glob = make_layer(pool_text("global_pooling: true"), [x.shape])

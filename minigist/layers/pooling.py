@@ -6,6 +6,10 @@ operations with no Python loop over positions. Where windows reach into padding 
 ceil-mode overhang, the input is first copied into a declared workspace buffer that covers
 every window, filled with -inf (MAX: padding never wins) or 0 (AVE: padding adds nothing).
 
+With numba installed (minigist/jit.py), MAX pooling's backward (and its forward at stride
+1) runs compiled kernels instead (minigist/layers/pool_kernels.py): a pass per plane, no
+padded copy of the whole chunk, the same bytes.
+
 MAX keeps only the saved `argmax` map: the index ki*kw+kj of each output's winner inside its
 window (the first maximum in row-major window order wins ties, as in Caffe), as uint8 when the
 window has at most 256 elements. `backward_from_index` rebuilds gx from that map alone.
@@ -21,6 +25,8 @@ gradient); so does this layer. Caffe's AVE divides 0 by a pool size <= 0 there (
 
 import numpy as np
 
+from .. import jit
+from . import pool_kernels
 from .base import Layer, TensorDecl, register
 
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -198,6 +204,12 @@ class Pooling(Layer):
                 xp.sum(x3, axis=2, out=y2)
                 xp.divide(y2, h * w, out=y2)
             return
+        if self.method == "MAX" and self.stride == (1, 1) and jit.active(xp, x0, y0, saved["argmax"]):
+            (ph, pw), (kh, kw) = self.pad, self.kernel
+            dtype = y0.dtype.type
+            pool_kernels.max_forward(x0, y0, saved["argmax"], ph, pw, kh, kw,
+                                     self.empty_windows, dtype(-np.inf), dtype(-_FLT_MAX))
+            return
         chunk = ws["wins" if self.method == "MAX" else "xpad"].shape[0] if ws else n
         for n0 in range(0, n, chunk):
             self._forward_chunk(xp, x0[n0:n0 + chunk], y0[n0:n0 + chunk],
@@ -283,6 +295,12 @@ class Pooling(Layer):
             positions = xp.arange(h * w, dtype=index.dtype if fits else np.int64)
             xp.equal(index.reshape(n, c, 1), positions, out=mask)
             xp.multiply(gy.reshape(n, c, 1), mask, out=gx.reshape(n, c, h * w))
+            return
+        if jit.active(xp, index, gy, gx):
+            (ph, pw), (sh, sw), (kh, kw) = self.pad, self.stride, self.kernel
+            dtype = gy.dtype.type
+            pool_kernels.max_backward(index, gy, gx, ph, pw, sh, sw, kh, kw, self.disjoint,
+                                      not self.tiles or self.needs_buffer, dtype(1), dtype(0))
             return
         chunk = ws["mask"].shape[0]
         for n0 in range(0, n, chunk):
