@@ -150,6 +150,17 @@ def test_kernels_serve_only_numpy_and_contiguous_arrays():
         assert not kernels.active(np, a)
 
 
+def test_the_codecs_switch_leaves_the_other_kernels_on():
+    from minigist import jit
+    a = np.zeros(10, np.float32)
+    with kernels.use_kernels(True), kernels.use_codec_kernels(False):
+        assert not kernels.active(np, a)
+        assert jit.active(np, a)
+        assert kernels.describe().startswith("ufunc path")
+    with kernels.use_kernels(True):
+        assert kernels.active(np, a)
+
+
 def test_the_kernels_run_when_on(monkeypatch):
     """The codecs take the kernel path when it is on (and the ufunc path when it is off)."""
     calls = []

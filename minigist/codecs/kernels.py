@@ -34,9 +34,32 @@ spinning for a while after each; split over two threads (numba's prange, with th
 the workqueue layers) they made a ResNet-20 step under all + fp16 slower, 1.2x to 4.4x of no
 Gist instead of 1.13x.
 """
+import contextlib
+
 import numpy as np
 
-from ..jit import _host_has, active, available, numba, set_kernels, use_kernels  # noqa: F401
+from .. import jit
+from ..jit import _host_has, available, numba, set_kernels, use_kernels  # noqa: F401
+
+_codecs_on = True
+
+
+def active(xp, *arrays):
+    """Whether the codec kernels serve this call: minigist's kernels are (jit.active) and the
+    codecs' own switch (use_codec_kernels) is on."""
+    return _codecs_on and jit.active(xp, *arrays)
+
+
+@contextlib.contextmanager
+def use_codec_kernels(on):
+    """Switch the codecs' kernels alone (not pooling's) on or off inside the block: the
+    benchmarks time Gist's codecs on their ufunc path this way."""
+    global _codecs_on
+    previous, _codecs_on = _codecs_on, bool(on)
+    try:
+        yield
+    finally:
+        _codecs_on = previous
 
 
 def describe(xp=np):
