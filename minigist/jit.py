@@ -1,7 +1,8 @@
 """The switch for minigist's optional compiled CPU kernels (numba).
 
 Kernels live beside the code they speed up (minigist/codecs/kernels.py: Gist's codecs;
-minigist/layers/pool_kernels.py: MAX pooling) and give the same bytes as the `xp` code they
+minigist/layers/pool_kernels.py: MAX pooling; minigist/layers/fused_kernels.py: BatchNorm's,
+Scale's and ReLU's element-wise chains) and give the same bytes as the `xp` code they
 replace. They serve a call when numba is importable (`pip install minigist[fast]`), they are
 switched on (the default; MINIGIST_KERNELS=numpy in the environment, `set_kernels(False)` or
 `use_kernels(False)` switch them off), xp is numpy, and the arrays are C-contiguous.

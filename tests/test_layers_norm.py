@@ -1,10 +1,20 @@
 """BatchNorm, Scale and LRN: forward against plain numpy references, gradients by central
-finite differences (float64), and parameter errors."""
+finite differences (float64), and parameter errors. Every test runs on the ufunc path and,
+with numba, on the compiled kernels (minigist/layers/fused_kernels.py)."""
 import numpy as np
 import pytest
 
+from minigist import jit
 from minigist.errors import LayerSetupError
 from minigist.testing import LayerRun, check_gradients, make_layer
+
+
+@pytest.fixture(autouse=True, params=["xp", "kernels"])
+def kernel_path(request):
+    if request.param == "kernels" and not jit.available():
+        pytest.skip("numba is not installed (pip install minigist[fast])")
+    with jit.use_kernels(request.param == "kernels"):
+        yield request.param
 
 
 def bn_text(extra=""):

@@ -1,6 +1,10 @@
-"""Element-wise layers: ReLU and Dropout."""
+"""Element-wise layers: ReLU and Dropout. With numba installed (minigist/jit.py), ReLU's
+backward makes its mask and the product in one compiled pass (minigist/layers/fused_kernels.py,
+the same bytes)."""
 import numpy as np
 
+from .. import jit
+from . import fused_kernels
 from .base import Layer, TensorDecl, register
 
 
@@ -45,7 +49,14 @@ class ReLU(Layer):
         chunk = getattr(y0, "chunk_samples", y0.shape[0])
         for n0 in range(0, y0.shape[0], chunk):
             part = slice(n0, n0 + chunk)
-            xp.greater(y0[part], 0, out=mask[part])
+            yp, gyp, gxp = y0[part], gy[0][part], gx[0][part]
+            if self.slope == 0.0 and jit.active(xp, yp, gyp, gxp):
+                # mask and multiply in one compiled pass (minigist/layers/fused_kernels.py)
+                dtype = gyp.dtype.type
+                fused_kernels.relu_grad(yp.reshape(-1), gyp.reshape(-1), gxp.reshape(-1), dtype(1), dtype(0),
+                                        gyp.__array_interface__["data"][0] == gxp.__array_interface__["data"][0])
+                continue
+            xp.greater(yp, 0, out=mask[part])
             self.backward_from_mask(xp, mask[part], gy[0][part], gx[0][part],
                                     {k: v[part] for k, v in ws.items() if k == "scaled"})
 

@@ -3,10 +3,14 @@
 Every tensor-sized array is either handed in by the executor (x, y, gy, gx, saved) or declared
 as workspace; only per-channel vectors are allocated here. Tensors are viewed as (N, C, S) with
 S the product of the axes after the channel axis (1 for a 2-D input), so 2-D and 4-D inputs
-share one code path.
+share one code path. With numba installed (minigist/jit.py), BatchNorm's and Scale's chains
+of element-wise ufuncs run as single compiled passes (minigist/layers/fused_kernels.py, the
+same bytes).
 """
 import numpy as np
 
+from .. import jit
+from . import fused_kernels
 from .base import Layer, TensorDecl, filler_of, register
 
 
@@ -25,6 +29,11 @@ def _channel_sums(xp, values, out, ones, rows):
     b = values.shape[0]
     xp.matmul(values, ones, out=rows[:b])
     xp.sum(rows[:b], axis=0, out=out)
+
+
+def _same(a, b):
+    """Whether b is a written over in place (the same bytes): the fused kernels' `same`."""
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 def _window_sum(xp, src, dst, half):
@@ -146,10 +155,13 @@ class BatchNorm(Layer):
         xp.divide(mean, m, out=mean)
         var = saved["inv_std"]
         for n0 in starts:
-            yc = y3[n0:n0 + chunk]
-            xp.subtract(x3[n0:n0 + chunk], mean[:, None], out=yc)     # y may be x: read first
+            xc, yc = x3[n0:n0 + chunk], y3[n0:n0 + chunk]
             sq = square[:yc.shape[0]]
-            xp.multiply(yc, yc, out=sq)
+            if jit.active(xp, xc, yc, sq, mean):
+                fused_kernels.center_square(xc, mean, yc, sq, _same(xc, yc))
+            else:
+                xp.subtract(xc, mean[:, None], out=yc)     # y may be x: read first
+                xp.multiply(yc, yc, out=sq)
             self._channel_sum(xp, sq, var, part, n0 == 0, ws)
         xp.divide(var, m, out=var)
         # running sums, exactly as Caffe: s = s*maf + 1, mean = mean*maf + mean_b,
@@ -197,15 +209,18 @@ class BatchNorm(Layer):
             self._channel_sum(xp, gyc, mean_gy, part, n0 == 0, ws)
         xp.divide(mean_gy_y, m, out=mean_gy_y)
         xp.divide(mean_gy, m, out=mean_gy)
-        inv_std = saved["inv_std"][:, None]
+        inv_std = saved["inv_std"]
         for n0 in starts:
             yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
-            gxc = gx3[n0:n0 + chunk]
+            gyc, gxc = gy3[n0:n0 + chunk], gx3[n0:n0 + chunk]
+            if jit.active(xp, gyc, yc, gxc, mean_gy_y, mean_gy, inv_std):
+                fused_kernels.batchnorm_input_grad(gyc, yc, mean_gy_y, mean_gy, inv_std, gxc, _same(gyc, gxc))
+                continue
             pc = product[:yc.shape[0]]
             xp.multiply(yc, mean_gy_y[:, None], out=pc)
-            xp.subtract(gy3[n0:n0 + chunk], pc, out=gxc)
+            xp.subtract(gyc, pc, out=gxc)
             xp.subtract(gxc, mean_gy[:, None], out=gxc)
-            xp.multiply(gxc, inv_std, out=gxc)
+            xp.multiply(gxc, inv_std[:, None], out=gxc)
 
 
 @register
@@ -281,6 +296,12 @@ class Scale(Layer):
         return {}
 
     def forward(self, xp, x, y, p, saved, ws):
+        if self.bias_term:
+            x3, y3 = x[0].reshape(self.shape3), y[0].reshape(self.shape3)
+            scale, bias = p[0].reshape(-1), p[1].reshape(-1)
+            if jit.active(xp, x3, y3, scale, bias):
+                fused_kernels.scale_bias(x3, scale, bias, y3, _same(x3, y3))
+                return
         xp.multiply(x[0], p[0].reshape(self.bcast), out=y[0])
         if self.bias_term:
             xp.add(y[0], p[1].reshape(self.bcast), out=y[0])
@@ -312,12 +333,17 @@ class Scale(Layer):
             xc = source[n0:n0 + chunk].reshape((-1, count, inner))
             gyc = gy3[n0:n0 + chunk]
             pc = product[:xc.shape[0]]
-            xp.multiply(gyc, xc, out=pc)
+            gxc = gx3[n0:n0 + chunk] if gx3 is not None else None
+            fused = gxc is not None and jit.active(xp, gyc, xc, pc, gxc, p[0])
+            if fused:   # the product and gx in one pass: gx (which may be gy) after gy is read
+                fused_kernels.scale_grads(gyc, xc, p[0].reshape(-1), pc, gxc, _same(gyc, gxc))
+            else:
+                xp.multiply(gyc, xc, out=pc)
             _channel_sums(xp, pc, gscale if n0 == 0 else part, ws["ones"], ws["rows"])
             if n0:
                 xp.add(gscale, part, out=gscale)
-            if gx3 is not None:
-                xp.multiply(gyc, scale, out=gx3[n0:n0 + chunk])
+            if gxc is not None and not fused:
+                xp.multiply(gyc, scale, out=gxc)
 
 
 @register

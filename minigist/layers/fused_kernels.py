@@ -1,0 +1,95 @@
+"""Compiled CPU kernels (numba; see minigist/jit.py for the switch) that do in one pass over
+memory what BatchNorm, Scale and ReLU do as a chain of numpy ufuncs, each ufunc a pass of its
+own. Every element goes through the same float operations in the same order as in the ufunc
+chain (no fused multiply-add: numba leaves LLVM's default, which does not contract), so the
+results are the same bytes (tests/test_fused_kernels.py); the per-channel sums stay with
+BLAS in both paths. Arrays are C-contiguous: (N, C, S) for the per-channel ones, any shape
+(taken flat) for ReLU.
+
+Each kernel has a loop for an output apart from its input and one for the output written
+over the input (`same`; the layers run in place): LLVM vectorises a loop only when it can
+rule out overlap at run time, and an output that is its input always overlaps, so a single
+loop would run scalar exactly in the in-place case, the common one.
+"""
+from ..jit import numba
+
+if numba is not None:
+    _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+
+    @_jit
+    def center_square(x, mean, y, square, same):
+        """y = x - mean[c]; square = y * y (BatchNorm forward); `same`: y is x."""
+        n, c, s = x.shape
+        for a in range(n):
+            for ch in range(c):
+                m = mean[ch]
+                if same:
+                    for i in range(s):
+                        v = x[a, ch, i] - m
+                        x[a, ch, i] = v
+                        square[a, ch, i] = v * v
+                else:
+                    for i in range(s):
+                        v = x[a, ch, i] - m
+                        y[a, ch, i] = v
+                        square[a, ch, i] = v * v
+
+    @_jit
+    def batchnorm_input_grad(gy, y, mean_gy_y, mean_gy, inv_std, gx, same):
+        """gx = ((gy - y * mean_gy_y[c]) - mean_gy[c]) * inv_std[c]; `same`: gx is gy."""
+        n, c, s = gy.shape
+        for a in range(n):
+            for ch in range(c):
+                p, q, r = mean_gy_y[ch], mean_gy[ch], inv_std[ch]
+                if same:
+                    for i in range(s):
+                        gy[a, ch, i] = ((gy[a, ch, i] - y[a, ch, i] * p) - q) * r
+                else:
+                    for i in range(s):
+                        gx[a, ch, i] = ((gy[a, ch, i] - y[a, ch, i] * p) - q) * r
+
+    @_jit
+    def scale_bias(x, scale, bias, y, same):
+        """y = x * scale[c] + bias[c], rounded after the product as two ufuncs do; `same`:
+        y is x."""
+        n, c, s = x.shape
+        for a in range(n):
+            for ch in range(c):
+                w, b = scale[ch], bias[ch]
+                if same:
+                    for i in range(s):
+                        t = x[a, ch, i] * w
+                        x[a, ch, i] = t + b
+                else:
+                    for i in range(s):
+                        t = x[a, ch, i] * w
+                        y[a, ch, i] = t + b
+
+    @_jit
+    def scale_grads(gy, x, scale, product, gx, same):
+        """product = gy * x (for the scale's gradient); gx = gy * scale[c]; `same`: gx is gy."""
+        n, c, s = gy.shape
+        for a in range(n):
+            for ch in range(c):
+                w = scale[ch]
+                if same:
+                    for i in range(s):
+                        g = gy[a, ch, i]
+                        product[a, ch, i] = g * x[a, ch, i]
+                        gy[a, ch, i] = g * w
+                else:
+                    for i in range(s):
+                        g = gy[a, ch, i]
+                        product[a, ch, i] = g * x[a, ch, i]
+                        gx[a, ch, i] = g * w
+
+    @_jit
+    def relu_grad(y, gy, gx, one, nil, same):
+        """gx = gy * (y > 0), the mask as the ufunc path multiplies it (1 or 0 in gy's
+        dtype). Flat arrays; `same`: gx is gy."""
+        if same:
+            for i in range(y.size):
+                gy[i] = gy[i] * (one if y[i] > 0 else nil)
+        else:
+            for i in range(y.size):
+                gx[i] = gy[i] * (one if y[i] > 0 else nil)

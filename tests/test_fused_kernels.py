@@ -1,0 +1,98 @@
+"""The fused element-wise kernels of BatchNorm, Scale and ReLU
+(minigist/layers/fused_kernels.py) against their ufunc chains, byte for byte: the same
+layer run on both paths, in float32 and float64, in place and not, in one chunk and in
+several, on values with infinities, NaN and signed zeros mixed in. A NaN must be a NaN in
+the same place; its sign and payload may differ. (tests/test_layers_norm.py and the ReLU
+test run their references and gradient checks on both paths.)"""
+import numpy as np
+import pytest
+
+from minigist import jit
+from minigist.fillers import fill
+from minigist.testing import make_layer
+
+pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
+
+SHAPE = (5, 3, 4, 6)
+
+
+def values(rng, shape, dtype, special):
+    x = rng.standard_normal(shape).astype(dtype)
+    if special:
+        spots = rng.random(shape) < 0.05
+        x[spots] = rng.choice(np.array([0.0, -0.0, np.inf, -np.inf, np.nan], dtype), size=int(spots.sum()))
+    return x
+
+
+def run(layer, x, gy, params, inplace):
+    """forward then backward with every array handed in (in place: y over x, gx over gy)."""
+    ws = {phase: {k: np.full(d.shape, np.nan if np.dtype(d.dtype or layer.dtype).kind == "f" else 0,
+                            d.dtype or layer.dtype)
+                  for k, d in layer.workspace(phase).items()} for phase in ("forward", "backward")}
+    params = [p.copy() for p in params]
+    saved = {k: np.empty(d.shape, d.dtype or layer.dtype) for k, d in layer.saved.items()}
+    x_in = x.copy()
+    y = x_in if inplace else np.empty_like(x)
+    layer.forward(np, [x_in], [y], params, saved, ws["forward"])
+    g = gy.copy()
+    gx = g if inplace else np.empty_like(gy)
+    gp = [np.empty_like(p) if d.trained else None for p, d in zip(params, layer.params)]
+    layer.backward(np, [x], [y], [g], [gx], params, gp, saved, ws["backward"])
+    return [y.copy(), gx] + [p for p in gp if p is not None] + list(params) + list(saved.values())
+
+
+def same_bytes(a, b):
+    nan = np.isnan(a)
+    np.testing.assert_array_equal(nan, np.isnan(b))
+    assert a[~nan].tobytes() == b[~nan].tobytes()
+
+
+LAYERS = {
+    "batchnorm": 'name: "bn" type: "BatchNorm" bottom: "x" top: "y"',
+    "scale+bias": 'name: "s" type: "Scale" bottom: "x" top: "y" scale_param { bias_term: true '
+                  'filler { type: "gaussian" } bias_filler { type: "gaussian" } }',
+    "scale": 'name: "s" type: "Scale" bottom: "x" top: "y" scale_param { filler { type: "gaussian" } }',
+    "scale axis 2": 'name: "s" type: "Scale" bottom: "x" top: "y" scale_param { axis: 2 num_axes: 2 '
+                    'bias_term: true filler { type: "gaussian" } bias_filler { type: "gaussian" } }',
+    "relu": 'name: "r" type: "ReLU" bottom: "x" top: "y"',
+}
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["normal", "special"])
+@pytest.mark.parametrize("chunk_bytes", [None, 2 * 3 * 4 * 6 * 4])
+@pytest.mark.parametrize("inplace", [False, True], ids=["apart", "in place"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_fused_kernels_write_the_same_bytes(kind, dtype, inplace, chunk_bytes, special):
+    layer = make_layer(LAYERS[kind], [SHAPE], dtype=dtype)
+    if chunk_bytes and hasattr(layer, "chunk_bytes"):
+        layer.chunk_bytes = chunk_bytes
+    rng = np.random.default_rng(31)
+    x, gy = values(rng, SHAPE, dtype, special), values(rng, SHAPE, dtype, special)
+    params = [fill(p.filler, p.shape, rng, dtype) for p in layer.params]
+    results = []
+    for on in (False, True):
+        with jit.use_kernels(on), np.errstate(all="ignore"):
+            results.append(run(layer, x, gy, params, inplace))
+    for a, b in zip(*results):
+        same_bytes(a, b)
+
+
+def test_the_kernels_run_when_on(monkeypatch):
+    from minigist.layers import fused_kernels
+    calls = []
+    for name in ("center_square", "batchnorm_input_grad", "scale_bias", "scale_grads", "relu_grad"):
+        original = getattr(fused_kernels, name)
+        monkeypatch.setattr(fused_kernels, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    rng = np.random.default_rng(32)
+    x, gy = rng.standard_normal(SHAPE), rng.standard_normal(SHAPE)
+    for kind in ("batchnorm", "scale+bias", "relu"):
+        layer = make_layer(LAYERS[kind], [SHAPE])
+        params = [fill(p.filler, p.shape, rng, np.float64) for p in layer.params]
+        before = len(calls)
+        with jit.use_kernels(False):
+            run(layer, x, gy, params, False)
+        assert len(calls) == before
+        with jit.use_kernels(True):
+            run(layer, x, gy, params, False)
+    assert calls == ["center_square", "batchnorm_input_grad", "scale_bias", "scale_grads", "relu_grad"]
