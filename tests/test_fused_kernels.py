@@ -1,4 +1,4 @@
-"""The fused element-wise kernels of BatchNorm, Scale and ReLU
+"""The fused kernels of BatchNorm, Scale, ReLU and the convolution's unfold/fold
 (minigist/layers/fused_kernels.py) against their ufunc chains, byte for byte: the same
 layer run on both paths, in float32 and float64, in place and not, in one chunk and in
 several, on values with infinities, NaN and signed zeros mixed in. A NaN must be a NaN in
@@ -10,6 +10,8 @@ import pytest
 from minigist import jit
 from minigist.fillers import fill
 from minigist.testing import make_layer
+
+from test_layers_conv_pool import CONV_CASES, CONV_IDS, conv_text
 
 pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
 
@@ -32,10 +34,10 @@ def run(layer, x, gy, params, inplace):
     params = [p.copy() for p in params]
     saved = {k: np.empty(d.shape, d.dtype or layer.dtype) for k, d in layer.saved.items()}
     x_in = x.copy()
-    y = x_in if inplace else np.empty_like(x)
+    y = x_in if inplace else np.empty(layer.top_shapes[0], x.dtype)
     layer.forward(np, [x_in], [y], params, saved, ws["forward"])
     g = gy.copy()
-    gx = g if inplace else np.empty_like(gy)
+    gx = g if inplace else np.empty_like(x)
     gp = [np.empty_like(p) if d.trained else None for p, d in zip(params, layer.params)]
     layer.backward(np, [x], [y], [g], [gx], params, gp, saved, ws["backward"])
     return [y.copy(), gx] + [p for p in gp if p is not None] + list(params) + list(saved.values())
@@ -96,3 +98,25 @@ def test_the_kernels_run_when_on(monkeypatch):
         with jit.use_kernels(True):
             run(layer, x, gy, params, False)
     assert calls == ["center_square", "batchnorm_input_grad", "scale_bias", "scale_grads", "relu_grad"]
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["scatter", "transposed"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
+def test_convolution_unfold_and_fold_kernels_write_the_same_bytes(case, dtype, transposed):
+    body, shape = case[:2]
+    layer = make_layer(conv_text(body), [shape], dtype=dtype)
+    if transposed and (layer.stride != (1, 1) or layer.pointwise):
+        pytest.skip("the transposed input gradient is for stride 1, non-1x1 only")
+    layer.transposed_backward = transposed
+    layer.batch_chunk = 2
+    rng = np.random.default_rng(33)
+    x = values(rng, shape, dtype, True)
+    gy = values(rng, layer.top_shapes[0], dtype, True)
+    params = [fill(p.filler, p.shape, rng, dtype) for p in layer.params]
+    results = []
+    for on in (False, True):
+        with jit.use_kernels(on), np.errstate(all="ignore"):
+            results.append(run(layer, x, gy, params, False))
+    for a, b in zip(*results):
+        same_bytes(a, b)

@@ -86,6 +86,16 @@ def distinct(shape, rng, spacing=0.01):
     return (rng.permutation(int(np.prod(shape))) - np.prod(shape) / 2).reshape(shape) * spacing
 
 
+@pytest.fixture(params=["xp", "kernels"])
+def kernel_path(request):
+    """The two paths: the xp code and, with numba, the compiled kernels (MAX pooling's;
+    the convolution's unfold and fold)."""
+    if request.param == "kernels" and not jit.available():
+        pytest.skip("numba is not installed (pip install minigist[fast])")
+    with jit.use_kernels(request.param == "kernels"):
+        yield request.param
+
+
 # ---- Convolution -------------------------------------------------------------------------
 
 def conv_text(body, fillers=True):
@@ -122,7 +132,7 @@ CONV_IDS = [c[0] for c in CONV_CASES]
 
 @pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
 @pytest.mark.parametrize("chunk", [None, 2])
-def test_conv_forward_matches_reference(case, chunk):
+def test_conv_forward_matches_reference(case, chunk, kernel_path):
     body, shape, stride, pad, dilation, group, bias = case
     layer = make_layer(conv_text(body), [shape])
     layer.batch_chunk = chunk
@@ -148,7 +158,7 @@ def _gradient_modes():
 
 
 @pytest.mark.parametrize("case,mode", _gradient_modes())
-def test_conv_gradients(case, mode):
+def test_conv_gradients(case, mode, kernel_path):
     body, shape, stride = case[:3]
     layer = make_layer(conv_text(body), [shape])
     if mode != "auto":
@@ -158,7 +168,7 @@ def test_conv_gradients(case, mode):
     check_gradients(layer, [x], seed=5)
 
 
-def test_conv_partial_backward_writes_only_what_is_asked():
+def test_conv_partial_backward_writes_only_what_is_asked(kernel_path):
     layer = make_layer(conv_text("num_output: 4 kernel_size: 3 pad: 1 group: 2"), [(3, 4, 5, 4)])
     layer.batch_chunk = 2
     x = np.random.default_rng(6).standard_normal((3, 4, 5, 4))
@@ -221,7 +231,7 @@ def test_conv_setup_errors(body, shape, message):
 @pytest.mark.parametrize("body", ["num_output: 8 kernel_size: 3 pad: 1 group: 2",
                                   "num_output: 8 kernel_size: 3 stride: 2",
                                   "num_output: 8 kernel_size: 1"])
-def test_conv_float32_agrees_with_float64(body):
+def test_conv_float32_agrees_with_float64(body, kernel_path):
     shape = (3, 4, 9, 8)
     x = np.random.default_rng(8).standard_normal(shape)
     gy = np.random.default_rng(9).standard_normal(make_layer(conv_text(body), [shape]).top_shapes[0])
@@ -244,13 +254,6 @@ def pool_text(body):
     return f'name: "pool" type: "Pooling" bottom: "x" top: "y" pooling_param {{ {body} }}'
 
 
-@pytest.fixture(params=["xp", "kernels"])
-def pool_path(request):
-    """MAX pooling's two paths: the xp code and, with numba, its compiled kernels."""
-    if request.param == "kernels" and not jit.available():
-        pytest.skip("numba is not installed (pip install minigist[fast])")
-    with jit.use_kernels(request.param == "kernels"):
-        yield request.param
 
 
 # (param body, input shape, kernel, stride, pad, ceil)
@@ -276,7 +279,7 @@ POOL_IDS = [g[0] for g in POOL_GEOMETRIES]
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 @pytest.mark.parametrize("geometry", POOL_GEOMETRIES, ids=POOL_IDS)
-def test_pool_forward_matches_caffe(geometry, method, pool_path):
+def test_pool_forward_matches_caffe(geometry, method, kernel_path):
     body, shape, kernel, stride, pad, ceil = geometry
     layer = make_layer(pool_text(f"pool: {method} {body}"), [shape])
     x = np.random.default_rng(10).standard_normal(shape)
@@ -296,7 +299,7 @@ def test_pool_forward_matches_caffe(geometry, method, pool_path):
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 @pytest.mark.parametrize("geometry", POOL_GEOMETRIES, ids=POOL_IDS)
-def test_pool_gradients(geometry, method, pool_path):
+def test_pool_gradients(geometry, method, kernel_path):
     body, shape, kernel, stride, pad, ceil = geometry
     layer = make_layer(pool_text(f"pool: {method} {body}"), [shape])
     x = distinct(shape, np.random.default_rng(11))
@@ -339,7 +342,7 @@ def test_pool_ave_divisor_counts_padding_not_overhang():
     np.testing.assert_allclose(y[0, 0], np.outer(edge, edge))
 
 
-def test_pool_max_ties_take_the_first_in_window_order(pool_path):
+def test_pool_max_ties_take_the_first_in_window_order(kernel_path):
     rng = np.random.default_rng(13)
     x = rng.integers(0, 3, size=(2, 3, 7, 7)).astype(np.float64)     # many ties
     for body, kernel, stride, pad in [("kernel_size: 3 stride: 2 pad: 1", (3, 3), (2, 2), (1, 1)),
@@ -363,7 +366,7 @@ def test_pool_max_ties_take_the_first_in_window_order(pool_path):
         np.testing.assert_allclose(gx, ref_gx, atol=1e-14)
 
 
-def test_pool_max_with_padding_never_picks_padding(pool_path):
+def test_pool_max_with_padding_never_picks_padding(kernel_path):
     x = -np.ones((1, 1, 4, 4)) - np.arange(16).reshape(1, 1, 4, 4)   # all negative
     layer = make_layer(pool_text("kernel_size: 3 stride: 2 pad: 1"), [x.shape])
     y = LayerRun(layer).forward([x])[0]
@@ -372,7 +375,7 @@ def test_pool_max_with_padding_never_picks_padding(pool_path):
     assert (y < 0).all()
 
 
-def test_pool_empty_windows_behave_like_caffe(pool_path):
+def test_pool_empty_windows_behave_like_caffe(kernel_path):
     x = np.random.default_rng(14).standard_normal((1, 1, 4, 4))
     layer = make_layer(pool_text("kernel_size: 1 stride: 2"), [x.shape])
     run = LayerRun(layer)
@@ -414,7 +417,7 @@ def test_pool_global(method, shape):
         np.testing.assert_allclose(gx, expected, rtol=1e-12)
 
 
-def test_pool_global_max_ties_and_equivalence_with_explicit_kernel(pool_path):
+def test_pool_global_max_ties_and_equivalence_with_explicit_kernel(kernel_path):
     x = np.zeros((1, 2, 3, 3))
     x[0, 0, 1, 2] = x[0, 0, 2, 0] = 5.0        # tie: (1, 2) comes first
     glob = make_layer(pool_text("global_pooling: true"), [x.shape])
@@ -491,7 +494,7 @@ def test_pool_float32_agrees_with_float64(method, body):
 @pytest.mark.parametrize("body", ["num_output: 3 kernel_size: 3 pad: 1",
                                   "num_output: 3 kernel_size: 3 stride: 2 pad: 1",
                                   "num_output: 3 kernel_size: 1"])
-def test_conv_frozen_weights(body):
+def test_conv_frozen_weights(body, kernel_path):
     text = conv_text(body).replace(
         "convolution_param", "param { lr_mult: 0 } param { lr_mult: 1 } convolution_param")
     layer = make_layer(text, [(2, 2, 5, 5)])
@@ -533,7 +536,7 @@ def test_pool_batch_chunks_give_the_same_bits(geometry, method):
 @pytest.mark.parametrize("body", ["num_output: 4 kernel_size: 1", "num_output: 4 kernel_size: 1 group: 2",
                                   "num_output: 4 kernel_size: 3 pad: 1"])
 @pytest.mark.parametrize("chunk", [1, 2, 5])
-def test_conv_in_place_gives_the_out_of_place_bits(body, chunk):
+def test_conv_in_place_gives_the_out_of_place_bits(body, chunk, kernel_path):
     """Same-shape convolutions (1x1 ones too) write y over x and gx over gy, chunk by chunk."""
     shape = (5, 4, 3, 4)
     rng = np.random.default_rng(15)
@@ -559,7 +562,7 @@ def test_conv_in_place_gives_the_out_of_place_bits(body, chunk):
 
 
 @pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
-def test_conv_weight_gradient_added_in_row_blocks(case):
+def test_conv_weight_gradient_added_in_row_blocks(case, kernel_path):
     """Later chunks add their weight gradient a few output rows at a time (a small workspace,
     not a second dW): same gradients as one chunk."""
     body, shape, stride, pad, dilation, group, bias = case

@@ -34,6 +34,8 @@ the same chunk of y (gx) is written over it.
 """
 import numpy as np
 
+from .. import jit
+from . import fused_kernels
 from .base import Layer, TensorDecl, expect_int_list, filler_of, register
 
 
@@ -345,7 +347,11 @@ class Convolution(Layer):
 
     @staticmethod
     def _unfold(xp, fold, yc, bias):
-        """yc (b, O, OH, OW) (=|+ bias) <- fold (O, b, OH, Wc)[..., :OW], one pass."""
+        """yc (b, O, OH, OW) (=|+ bias) <- fold (O, b, OH, Wc)[..., :OW], one pass (compiled
+        with numba: minigist/layers/fused_kernels.py, the same bytes)."""
+        if jit.active(xp, fold, yc) and (bias is None or bias.flags.c_contiguous):
+            fused_kernels.unfold(fold, yc, fold[0, 0, 0, :0] if bias is None else bias, bias is not None)
+            return
         src = fold[..., :yc.shape[3]].transpose(1, 0, 2, 3)
         if bias is None:
             xp.copyto(yc, src)
@@ -361,7 +367,10 @@ class Convolution(Layer):
         view = flat[:o * b * oh * wc].reshape(o, b, oh, wc)
         if wc > ow and first:
             view[..., ow:].fill(0)
-        xp.copyto(view[..., :ow], gyc.transpose(1, 0, 2, 3))
+        if jit.active(xp, gyc, view):
+            fused_kernels.fold(gyc, view)
+        else:
+            xp.copyto(view[..., :ow], gyc.transpose(1, 0, 2, 3))
         return view
 
     # ---- forward ------------------------------------------------------------------------
