@@ -186,9 +186,11 @@ def test_describe_names_the_path():
 
 
 @pytest.mark.parametrize("model", ["resnet20", "vgg_small", "inception_small"])
-def test_training_is_the_same_with_and_without_kernels(model):
-    """Two SGD steps under Gist `all` (DPR and SSDC stashes; mask and ReLU->pool codes, which
-    stay on the xp path): the same losses and weights, bit for bit, with the kernels on and off."""
+@pytest.mark.parametrize("gist", ["none", "all"])
+def test_training_is_the_same_with_and_without_kernels(model, gist):
+    """Two SGD steps without Gist and under Gist `all` (DPR and SSDC stashes; mask and
+    ReLU->pool codes): the same losses and weights, bit for bit, with every kernel (codecs,
+    pooling, BatchNorm/Scale/ReLU, the convolution's layout copies) on and off."""
     import os
 
     import minigist
@@ -198,8 +200,9 @@ def test_training_is_the_same_with_and_without_kernels(model):
     results = []
     for on in (False, True):
         with kernels.use_kernels(on):
-            net = minigist.Net(path, batch_size=4, seed=0, gist="all", dpr="fp16")
-            net.calibrate(batches)
+            net = minigist.Net(path, batch_size=4, seed=0, gist=gist, dpr="fp16")
+            if gist != "none":
+                net.calibrate(batches)
             losses = [net.train_step(*batch) for batch in batches]
             results.append((losses, {k: v.copy() for k, v in net.params().items()}))
     (losses_off, weights_off), (losses_on, weights_on) = results
