@@ -15,19 +15,13 @@ import pytest
 from minigist.codecs.base import Codec
 from minigist.codecs.bits import BitMask, PackedCodes
 from minigist.codecs import dpr as dpr_mod
-from minigist.codecs import kernels
 from minigist.codecs.dpr import DPR, FORMATS
 from minigist.codecs.ssdc import SSDC
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 
-@pytest.fixture(autouse=True, params=["ufunc", "kernels"])
-def codec_path(request):
-    if request.param == "kernels" and not kernels.available():
-        pytest.skip("numba is not installed (pip install minigist[fast])")
-    with kernels.use_kernels(request.param == "kernels"):
-        yield request.param
+pytestmark = pytest.mark.usefixtures("kernel_path")     # the ufunc path and the kernels
 
 RNG = np.random.default_rng(1234)
 GUARD = 64                      # sentinel elements on each side of every handed array

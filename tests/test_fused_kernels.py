@@ -49,6 +49,16 @@ def same_bytes(a, b):
     assert a[~nan].tobytes() == b[~nan].tobytes()
 
 
+def same_on_both_paths(layer, x, gy, params, inplace):
+    """Every output, gradient, parameter and stash: the same bytes with the kernels off and on."""
+    results = []
+    for on in (False, True):
+        with jit.use_kernels(on), np.errstate(all="ignore"):
+            results.append(run(layer, x, gy, params, inplace))
+    for a, b in zip(*results):
+        same_bytes(a, b)
+
+
 LAYERS = {
     "batchnorm": 'name: "bn" type: "BatchNorm" bottom: "x" top: "y"',
     "scale+bias": 'name: "s" type: "Scale" bottom: "x" top: "y" scale_param { bias_term: true '
@@ -72,12 +82,7 @@ def test_fused_kernels_write_the_same_bytes(kind, dtype, inplace, chunk_bytes, s
     rng = np.random.default_rng(31)
     x, gy = values(rng, SHAPE, dtype, special), values(rng, SHAPE, dtype, special)
     params = [fill(p.filler, p.shape, rng, dtype) for p in layer.params]
-    results = []
-    for on in (False, True):
-        with jit.use_kernels(on), np.errstate(all="ignore"):
-            results.append(run(layer, x, gy, params, inplace))
-    for a, b in zip(*results):
-        same_bytes(a, b)
+    same_on_both_paths(layer, x, gy, params, inplace)
 
 
 def test_the_kernels_run_when_on(monkeypatch):
@@ -123,9 +128,4 @@ def test_convolution_unfold_and_fold_kernels_write_the_same_bytes(case, transpos
     x = values(rng, shape, dtype, True)
     gy = values(rng, layer.top_shapes[0], dtype, True)
     params = [fill(p.filler, p.shape, rng, dtype) for p in layer.params]
-    results = []
-    for on in (False, True):
-        with jit.use_kernels(on), np.errstate(all="ignore"):
-            results.append(run(layer, x, gy, params, False))
-    for a, b in zip(*results):
-        same_bytes(a, b)
+    same_on_both_paths(layer, x, gy, params, False)

@@ -3,7 +3,6 @@ plain numpy, gradients against central finite differences in float64."""
 import numpy as np
 import pytest
 
-from minigist import jit
 from minigist.errors import LayerSetupError, MinigistError
 from minigist.testing import LayerRun, check_gradients, make_layer
 
@@ -14,16 +13,8 @@ def away_from_zero(rng, shape, margin=0.05):
     return np.where(np.abs(x) < margin, np.sign(x + 1e-12) * margin, x) + np.sign(x) * margin
 
 
-@pytest.mark.parametrize("path", ["xp", "kernels"])
 @pytest.mark.parametrize("slope", [0.0, 0.1, 2.0])
-def test_relu(slope, path):
-    if path == "kernels" and not jit.available():
-        pytest.skip("numba is not installed (pip install minigist[fast])")
-    with jit.use_kernels(path == "kernels"):
-        check_relu(slope)
-
-
-def check_relu(slope):
+def test_relu(slope, kernel_path):
     rng = np.random.default_rng(1)
     x = away_from_zero(rng, (2, 3, 4, 5))
     layer = make_layer(f'name: "r" type: "ReLU" bottom: "x" top: "y" relu_param {{ negative_slope: {slope} }}', [x.shape])

@@ -5,7 +5,6 @@ import math
 import numpy as np
 import pytest
 
-from minigist import jit
 from minigist.errors import LayerSetupError
 from minigist.testing import LayerRun, check_gradients, make_layer
 
@@ -84,16 +83,6 @@ def ref_pool(x, method, kernel, stride, pad, ceil=True):
 def distinct(shape, rng, spacing=0.01):
     """Values with no near-ties (spacing >> the finite-difference step), shuffled."""
     return (rng.permutation(int(np.prod(shape))) - np.prod(shape) / 2).reshape(shape) * spacing
-
-
-@pytest.fixture(params=["xp", "kernels"])
-def kernel_path(request):
-    """The two paths: the xp code and, with numba, the compiled kernels (MAX pooling's;
-    the convolution's unfold and fold)."""
-    if request.param == "kernels" and not jit.available():
-        pytest.skip("numba is not installed (pip install minigist[fast])")
-    with jit.use_kernels(request.param == "kernels"):
-        yield request.param
 
 
 # ---- Convolution -------------------------------------------------------------------------

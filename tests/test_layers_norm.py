@@ -4,17 +4,11 @@ with numba, on the compiled kernels (minigist/layers/fused_kernels.py)."""
 import numpy as np
 import pytest
 
-from minigist import jit
 from minigist.errors import LayerSetupError
 from minigist.testing import LayerRun, check_gradients, make_layer
 
 
-@pytest.fixture(autouse=True, params=["xp", "kernels"])
-def kernel_path(request):
-    if request.param == "kernels" and not jit.available():
-        pytest.skip("numba is not installed (pip install minigist[fast])")
-    with jit.use_kernels(request.param == "kernels"):
-        yield request.param
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 
 def bn_text(extra=""):
