@@ -115,6 +115,11 @@ CONV_CASES = [
     ("num_output: 2 kernel_size: [1, 3] pad: [0, 1]", (3, 2, 4, 5), (1, 1), (0, 1), (1, 1), 1, True),
     ("num_output: 2 kernel_size: 5 pad: 2", (3, 2, 6, 7), (1, 1), (2, 2), (1, 1), 1, True),
     ("num_output: 2 kernel_size: 3 pad: 3", (3, 2, 4, 5), (1, 1), (3, 3), (1, 1), 1, True),
+    # a one-channel, one-row frame no longer than the wide columns' overrun: the last
+    # sample's columns read whole frames past it, which must hold zeros
+    ("num_output: 1 kernel_size: [1, 3] pad: [0, 1] bias_term: false", (1, 1, 1, 1), (1, 1), (0, 1), (1, 1), 1, False),
+    ("num_output: 2 kernel_size: [1, 5] pad: [0, 2]", (2, 1, 1, 1), (1, 1), (0, 2), (1, 1), 1, True),
+    ("num_output: 1 kernel_size: [1, 3] pad: [0, 1] dilation: [1, 2]", (4, 1, 1, 3), (1, 1), (0, 1), (1, 2), 1, True),
 ]
 CONV_IDS = [c[0] for c in CONV_CASES]
 

@@ -323,8 +323,11 @@ class Convolution(Layer):
     @staticmethod
     def _stage(xp, flat, src, offset, hw, first):
         """src (b, C, H, W) copied into the zero-bordered (b, C, Hd, Wd) front of the flat
-        buffer at `offset` (rows, cols; a negative offset crops src); the buffer's tail past its declared samples (the
-        wide columns' overrun) is zeroed with the border on the first chunk."""
+        buffer at `offset` (rows, cols; a negative offset crops src). On the first chunk (the
+        largest) the borders of its b frames are zeroed, and so is all of the buffer after
+        them: the wide columns of the last sample read up to `slack` elements past its frame,
+        and a frame smaller than that (one channel, one row) leaves whole frames there that no
+        chunk writes; their garbage columns meet zeros in gy, and 0 * NaN would be NaN."""
         b, c, h, w = src.shape
         hd, wd = hw
         per = c * hd * wd
@@ -332,9 +335,9 @@ class Convolution(Layer):
         full = flat[:cap * per].reshape(cap, c, hd, wd)
         rows, src_rows = _overlap(offset[0], h, hd)
         cols, src_cols = _overlap(offset[1], w, wd)
-        if first:   # the border (and the tail) stays zero for every chunk
-            _zero_outside(full, rows, cols)
-            flat[cap * per:].fill(0)
+        if first:   # the borders (and what follows the chunk) stay zero for every chunk
+            _zero_outside(full[:b], rows, cols)
+            flat[b * per:].fill(0)
         dst = full[:b]
         xp.copyto(dst[:, :, rows, cols], src[:, :, src_rows, src_cols])
         return dst
