@@ -30,6 +30,16 @@ def active(xp, *arrays):
     return _enabled and xp is np and all(a.flags.c_contiguous for a in arrays)
 
 
+def describe(xp=np):
+    """One line on which path the layers take with this xp (the codecs have their own:
+    minigist.codecs.kernels.describe)."""
+    if not active(xp):
+        reason = ("numba not installed" if numba is None else "switched off" if xp is np else "not on a GPU")
+        return f"xp ufuncs ({reason})"
+    return (f"numba {numba.__version__} kernels for MAX pooling, BatchNorm/Scale/ReLU and the "
+            f"convolution's layout copies")
+
+
 def set_kernels(on):
     """Switch the kernels on or off for the whole process; returns the previous setting.
     Switching on without numba raises ImportError."""

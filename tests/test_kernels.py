@@ -280,3 +280,12 @@ def test_kernels_compile_for_a_generic_cpu(tmp_path):
                PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_the_layers_line_names_their_path():
+    from minigist import jit
+    with kernels.use_kernels(True):
+        assert jit.describe(np).startswith(f"numba {kernels.numba.__version__} kernels for MAX pooling")
+        assert jit.describe(object()) == "xp ufuncs (not on a GPU)"
+    with kernels.use_kernels(False):
+        assert jit.describe(np) == "xp ufuncs (switched off)"
