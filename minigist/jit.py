@@ -30,12 +30,16 @@ def active(xp, *arrays):
     return _enabled and xp is np and all(a.flags.c_contiguous for a in arrays)
 
 
+def off_reason(xp):
+    """Why the kernels do not serve this xp (for the one-line path descriptions)."""
+    return "numba not installed" if numba is None else "switched off" if xp is np else "not on a GPU"
+
+
 def describe(xp=np):
     """One line on which path the layers take with this xp (the codecs have their own:
     minigist.codecs.kernels.describe)."""
     if not active(xp):
-        reason = ("numba not installed" if numba is None else "switched off" if xp is np else "not on a GPU")
-        return f"xp ufuncs ({reason})"
+        return f"xp ufuncs ({off_reason(xp)})"
     return (f"numba {numba.__version__} kernels for MAX pooling, BatchNorm/Scale/ReLU and the "
             f"convolution's layout copies")
 

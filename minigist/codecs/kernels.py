@@ -65,8 +65,7 @@ def use_codec_kernels(on):
 def describe(xp=np):
     """One line on which path the codecs take with this xp."""
     if not active(xp):
-        reason = ("numba not installed" if numba is None else "switched off" if xp is np else "not on a GPU")
-        return f"ufunc path ({reason})"
+        return f"ufunc path ({jit.off_reason(xp)})"
     extras = [name for name, on in (("F16C fp16", _half), ("AVX-512 compress/expand", _vector)) if on]
     return f"numba {numba.__version__} kernels" + (f" ({', '.join(extras)})" if extras else "")
 

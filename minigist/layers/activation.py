@@ -54,10 +54,10 @@ class ReLU(Layer):
                 # mask and multiply in one compiled pass (minigist/layers/fused_kernels.py)
                 dtype = gyp.dtype.type
                 fused_kernels.relu_grad(yp.reshape(-1), gyp.reshape(-1), gxp.reshape(-1), dtype(1), dtype(0),
-                                        gyp.__array_interface__["data"][0] == gxp.__array_interface__["data"][0])
+                                        fused_kernels.same_memory(gyp, gxp))
                 continue
             xp.greater(yp, 0, out=mask[part])
-            self.backward_from_mask(xp, mask[part], gy[0][part], gx[0][part],
+            self.backward_from_mask(xp, mask[part], gyp, gxp,
                                     {k: v[part] for k, v in ws.items() if k == "scaled"})
 
     def backward_from_mask(self, xp, mask, gy, gx, ws):

@@ -331,14 +331,12 @@ class Convolution(Layer):
         b, c, h, w = src.shape
         hd, wd = hw
         per = c * hd * wd
-        cap = flat.size // per
-        full = flat[:cap * per].reshape(cap, c, hd, wd)
+        dst = flat[:b * per].reshape(b, c, hd, wd)
         rows, src_rows = _overlap(offset[0], h, hd)
         cols, src_cols = _overlap(offset[1], w, wd)
         if first:   # the borders (and what follows the chunk) stay zero for every chunk
-            _zero_outside(full[:b], rows, cols)
+            _zero_outside(dst, rows, cols)
             flat[b * per:].fill(0)
-        dst = full[:b]
         xp.copyto(dst[:, :, rows, cols], src[:, :, src_rows, src_cols])
         return dst
 

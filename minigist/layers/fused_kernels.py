@@ -14,6 +14,12 @@ loop would run scalar exactly in the in-place case, the common one.
 """
 from ..jit import numba
 
+
+def same_memory(a, b):
+    """Whether b is a written over in place (the same first byte): the kernels' `same`."""
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+
+
 if numba is not None:
     _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 

@@ -31,11 +31,6 @@ def _channel_sums(xp, values, out, ones, rows):
     xp.sum(rows[:b], axis=0, out=out)
 
 
-def _same(a, b):
-    """Whether b is a written over in place (the same bytes): the fused kernels' `same`."""
-    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-
-
 def _window_sum(xp, src, dst, half):
     """dst[:, c] = sum of src[:, c - half .. c + half] over the channel axis (clipped).
 
@@ -158,7 +153,7 @@ class BatchNorm(Layer):
             xc, yc = x3[n0:n0 + chunk], y3[n0:n0 + chunk]
             sq = square[:yc.shape[0]]
             if jit.active(xp, xc, yc, sq, mean):
-                fused_kernels.center_square(xc, mean, yc, sq, _same(xc, yc))
+                fused_kernels.center_square(xc, mean, yc, sq, fused_kernels.same_memory(xc, yc))
             else:
                 xp.subtract(xc, mean[:, None], out=yc)     # y may be x: read first
                 xp.multiply(yc, yc, out=sq)
@@ -214,7 +209,7 @@ class BatchNorm(Layer):
             yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
             gyc, gxc = gy3[n0:n0 + chunk], gx3[n0:n0 + chunk]
             if jit.active(xp, gyc, yc, gxc, mean_gy_y, mean_gy, inv_std):
-                fused_kernels.batchnorm_input_grad(gyc, yc, mean_gy_y, mean_gy, inv_std, gxc, _same(gyc, gxc))
+                fused_kernels.batchnorm_input_grad(gyc, yc, mean_gy_y, mean_gy, inv_std, gxc, fused_kernels.same_memory(gyc, gxc))
                 continue
             pc = product[:yc.shape[0]]
             xp.multiply(yc, mean_gy_y[:, None], out=pc)
@@ -300,7 +295,7 @@ class Scale(Layer):
             x3, y3 = x[0].reshape(self.shape3), y[0].reshape(self.shape3)
             scale, bias = p[0].reshape(-1), p[1].reshape(-1)
             if jit.active(xp, x3, y3, scale, bias):
-                fused_kernels.scale_bias(x3, scale, bias, y3, _same(x3, y3))
+                fused_kernels.scale_bias(x3, scale, bias, y3, fused_kernels.same_memory(x3, y3))
                 return
         xp.multiply(x[0], p[0].reshape(self.bcast), out=y[0])
         if self.bias_term:
@@ -336,7 +331,7 @@ class Scale(Layer):
             gxc = gx3[n0:n0 + chunk] if gx3 is not None else None
             fused = gxc is not None and jit.active(xp, gyc, xc, pc, gxc, p[0])
             if fused:   # the product and gx in one pass: gx (which may be gy) after gy is read
-                fused_kernels.scale_grads(gyc, xc, p[0].reshape(-1), pc, gxc, _same(gyc, gxc))
+                fused_kernels.scale_grads(gyc, xc, p[0].reshape(-1), pc, gxc, fused_kernels.same_memory(gyc, gxc))
             else:
                 xp.multiply(gyc, xc, out=pc)
             _channel_sums(xp, pc, gscale if n0 == 0 else part, ws["ones"], ws["rows"])
