@@ -556,6 +556,36 @@ def test_conv_in_place_gives_the_out_of_place_bits(body, chunk, kernel_path):
 
 
 @pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
+def test_conv_weight_gradient_transposed(case, kernel_path):
+    """Where dW fits gw_block_bytes it is computed as dW^T = cols gy^T in a (g, K, O/g)
+    workspace, copied (first chunk) or added (later chunks) into dW: same gradients as the
+    direct orientation, with one chunk and with one sample per chunk."""
+    body, shape, stride, pad, dilation, group, bias = case
+    rng = np.random.default_rng(17)
+    shape = (3,) + shape[1:]
+    x = rng.standard_normal(shape)
+    direct = make_layer(conv_text(body), [shape])
+    direct.gw_block_bytes = 0       # never transposed
+    reference = LayerRun(direct)
+    gy = rng.standard_normal(reference.forward([x])[0].shape)
+    (ref_gx,), ref_gp = reference.backward([gy])
+    for batch_chunk in (None, 1):
+        layer = make_layer(conv_text(body), [shape])
+        layer.batch_chunk = batch_chunk
+        run = LayerRun(layer)
+        run.params = [p.copy() for p in reference.params]
+        run.forward([x])
+        (gx,), gp = run.backward([gy])
+        workspace = layer.workspace("backward")
+        if not layer.pointwise:
+            assert workspace["gwt"].shape == (group, layer.cols, layer.num_output // group)
+            assert "gwsum" not in workspace and "gwt" not in direct.workspace("backward")
+        np.testing.assert_allclose(gx, ref_gx, rtol=1e-12, atol=1e-12)
+        for got, want in zip(gp, ref_gp):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
 def test_conv_weight_gradient_added_in_row_blocks(case, kernel_path):
     """Later chunks add their weight gradient a few output rows at a time (a small workspace,
     not a second dW): same gradients as one chunk."""
@@ -568,7 +598,7 @@ def test_conv_weight_gradient_added_in_row_blocks(case, kernel_path):
     (ref_gx,), ref_gp = reference.backward([gy])
     layer = make_layer(conv_text(body), [shape])
     layer.batch_chunk = 1
-    layer.gw_block_bytes = 1        # one output row per block
+    layer.gw_block_bytes = 1        # one output row per block (and dW never transposed)
     run = LayerRun(layer)
     run.params = [p.copy() for p in reference.params]
     run.forward([x])
