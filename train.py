@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import minigist  # noqa: E402  (after the path tweak, so a checkout runs without installing)
-from minigist import datasets, jit  # noqa: E402
+from minigist import blas, datasets, jit  # noqa: E402
 from minigist.codecs import kernels as codec_kernels  # noqa: E402
 from minigist.codecs import DPR_FORMATS, GIST_MODES, GistConfig  # noqa: E402
 from minigist.errors import MinigistError  # noqa: E402
@@ -681,6 +681,8 @@ def run(args, given):
           f"{classes} classes, device {args.device}, footprint {_mib(report['footprint_bytes'])} "
           f"({args.alloc}, gist {args.gist})")
     print(f"layers: {jit.describe(net.xp)}")
+    if net.xp is np:
+        print(f"blas: {blas.describe()}")
     if args.gist != "none":
         print(f"codecs: {codec_kernels.describe(net.xp)}")
     schedule = f" x{args.lr_gamma:g} every {args.lr_step:g} epochs" if args.lr_step else ""

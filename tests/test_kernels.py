@@ -8,6 +8,10 @@ SSDC) and, on a CPU that has the instructions, with the fast ones (fp16 through 
 kernels.HALF; SSDC through AVX-512 compress/expand, kernels.VECTOR).
 """
 import os
+import platform
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -289,3 +293,30 @@ def test_the_layers_line_names_their_path():
         assert jit.describe(object()) == "xp ufuncs (not on a GPU)"
     with kernels.use_kernels(False):
         assert jit.describe(np) == "xp ufuncs (switched off)"
+
+
+def test_the_blas_line_names_the_kernels_openblas_runs():
+    """minigist.blas asks the loaded OpenBLAS which kernels it runs: forced through
+    OPENBLAS_CORETYPE in a fresh process, the line names them and says who chose."""
+    from minigist import blas
+    if blas.openblas_info() is None:
+        assert blas.describe().startswith("not OpenBLAS")
+        return
+    assert re.fullmatch(r"OpenBLAS \S+, \S+ kernels, \d+ threads \((set by OPENBLAS_CORETYPE=\S+|"
+                        r"OpenBLAS's choice for this CPU)\)", blas.describe()), blas.describe()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            avx2 = " avx2" in cpuinfo.read()
+    except OSError:
+        avx2 = False
+    if platform.machine() not in ("x86_64", "AMD64") or not avx2:
+        pytest.skip("the forced kernels below are x86-64 ones that need AVX2")
+    script = "from minigist import blas; print(blas.describe())"
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for forced in ("Sandybridge", "Haswell"):
+        env = dict(os.environ, OPENBLAS_CORETYPE=forced, PYTHONPATH=root)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f", {forced} kernels, " in result.stdout
+        assert result.stdout.strip().endswith(f"(set by OPENBLAS_CORETYPE={forced})")

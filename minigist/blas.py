@@ -1,0 +1,73 @@
+"""Which BLAS numpy runs, with which kernels and threads: one line for train.py and the benches.
+
+A convolution net's CPU training step is mostly GEMM, and OpenBLAS's kernels decide its speed:
+on a Zen 5 core its SkylakeX (AVX-512) kernels run float32 GEMM about twice as fast as its
+Haswell (AVX2) ones. OpenBLAS picks them from the CPU when it loads, unless OPENBLAS_CORETYPE
+names others (some machines set it to work around old OpenBLAS builds), so the line says which
+kernels run and whether the environment chose them. numpy's OpenBLAS is asked through ctypes
+(Linux), without threadpoolctl.
+"""
+import ctypes
+import os
+
+import numpy  # noqa: F401  (loads numpy's BLAS, which the functions below inspect)
+
+
+def _loaded_openblas():
+    """A ctypes handle on the OpenBLAS this process loaded (Linux), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1].lower()}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if path.endswith(".so") or ".so." in path:
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return None
+
+
+def _call_string(lib, names):
+    for name in names:
+        function = getattr(lib, name, None)
+        if function is not None:
+            function.restype = ctypes.c_char_p
+            return function().decode(errors="replace").strip()
+    return None
+
+
+def openblas_info():
+    """(version, kernels, threads) of the loaded OpenBLAS, or None when numpy uses another BLAS
+    or it cannot be asked."""
+    lib = _loaded_openblas()
+    if lib is None:
+        return None
+    # numpy's wheels carry OpenBLAS with prefixed, 64-bit-integer symbol names
+    config = _call_string(lib, ("scipy_openblas_get_config64_", "openblas_get_config64_", "openblas_get_config"))
+    corename = _call_string(lib, ("scipy_openblas_get_corename64_", "openblas_get_corename64_",
+                                  "openblas_get_corename"))
+    if config is None or corename is None:
+        return None
+    version = config.split()[1] if config.startswith("OpenBLAS ") and len(config.split()) > 1 else "?"
+    threads = None
+    for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
+        function = getattr(lib, name, None)
+        if function is not None:
+            function.restype = ctypes.c_int
+            threads = function()
+            break
+    return version, corename, threads
+
+
+def describe():
+    """One line on numpy's BLAS: OpenBLAS's version, its kernels and threads, and why."""
+    info = openblas_info()
+    if info is None:
+        return "not OpenBLAS, or not inspectable here (kernels and threads as that BLAS chooses)"
+    version, corename, threads = info
+    line = f"OpenBLAS {version}, {corename} kernels, {threads if threads is not None else '?'} threads"
+    if "OPENBLAS_CORETYPE" in os.environ:
+        return f"{line} (set by OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})"
+    return f"{line} (OpenBLAS's choice for this CPU)"
