@@ -1,19 +1,26 @@
 """Time one SGD training step of minigist against PyTorch on the same net, batch and weights.
 
     python bench/step_vs_torch.py [--models vgg_small,resnet20,inception_small] [--batch-size 32]
-                                  [--repeats 11] [--warmup 2] [--threads 2] [--blas-threads N]
+                                  [--repeats 11] [--warmup 2] [--settle 0.3] [--threads 2] [--blas-threads N]
                                   [--lr 0.01] [--no-gist] [--float64-steps 4]
 
 PyTorch (CPU) is needed for this bench only: `pip install torch`; threadpoolctl, if installed,
-reports and sets (--blas-threads, by default --threads) the BLAS threads numpy uses; without
-it they are reported as unknown and left as they are (OPENBLAS_NUM_THREADS sets them).
+sets (--blas-threads, by default --threads) the BLAS threads numpy uses; without it they are
+left as they are (OPENBLAS_NUM_THREADS sets them). The report names numpy's BLAS, its kernels
+and threads (minigist.blas.describe): an OPENBLAS_CORETYPE in the environment can force older
+kernels than the CPU runs (Haswell's AVX2 on an AVX-512 CPU halves the GEMM rate).
 
 For each model the equivalent torch.nn module is built from minigist's TRAIN graph (layer by
 layer, over the same blob names) and given a copy of minigist's initial weights; both sides
 train with SGD (momentum 0.9, weight decay 5e-4, the same lr and per-parameter lr_mult /
 decay_mult) on the same two batches in turn. After `--warmup` steps each, the two are timed in
-alternation (minigist, torch, minigist, torch, ...) so that machine noise hits both alike. The
-report gives, per model:
+alternation (minigist, torch, minigist, torch, ...) so that machine noise hits both alike, with
+a pause of `--settle` seconds before each timed step: OpenBLAS's worker threads keep spinning
+for about 0.1 s after a call (2^28 cycles) and torch's OpenMP threads for a while too, so a
+step that starts at once shares the two cores with the other side's spinning threads. Without
+the pause torch's resnet20 step measured 0.10-0.13 s instead of its 0.05 s alone, and
+minigist's vgg_small step 0.18 s instead of 0.165 (bench/README, session 5). The report
+gives, per model:
 
 - the median, min and max step time of each side and the ratio minigist / torch (of the
   medians with the range of the per-pair ratios, and of the minima: the least disturbed
@@ -57,6 +64,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import minigist  # noqa: E402
+from minigist import blas  # noqa: E402
 from minigist.codecs import kernels  # noqa: E402
 
 try:
@@ -386,18 +394,6 @@ def torch_gemm_rates(reps=15, n=1024):
     return _timed_rates(lambda: torch.mm(a, b, out=c), reps, n)
 
 
-def blas_description():
-    """What BLAS numpy uses and with how many threads, as threadpoolctl sees it."""
-    if threadpoolctl is None:
-        return "unknown (threadpoolctl not installed)"
-    rows = []
-    for info in threadpoolctl.threadpool_info():
-        if info.get("user_api") == "blas" and "torch" not in info.get("filepath", ""):
-            rows.append(f"{info.get('internal_api')} {info.get('version')} "
-                        f"({info.get('threading_layer', '?')}), {info.get('num_threads')} threads")
-    return "; ".join(rows) or "unknown (threadpoolctl finds no BLAS)"
-
-
 def cpu_sample():
     """(wall s, busy CPU s of the whole machine, steal s, this process's CPU s), or None
     where /proc/stat is missing (not Linux)."""
@@ -462,11 +458,13 @@ def compare(args, name, path):
         if step == args.warmup:
             meter = cpu_sample()
         timed = step >= args.warmup
+        time.sleep(args.settle)
         start = time.perf_counter()
         losses["minigist"].append(net.train_step(*batches[step % 2]))
         elapsed = time.perf_counter() - start
         if timed:
             times["minigist"].append(elapsed)
+        time.sleep(args.settle)
         start = time.perf_counter()
         losses["torch"].append(torch_step(model, optimizer, *torch_batches[step % 2]))
         elapsed = time.perf_counter() - start
@@ -549,6 +547,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=11, help="timed steps per side (per Gist mode)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side before timing")
+    parser.add_argument("--settle", type=float, default=0.3,
+                        help="seconds of pause before each timed step, so that the other side's "
+                             "spinning BLAS/OpenMP threads are asleep when it starts")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (torch.set_num_threads)")
     parser.add_argument("--blas-threads", type=int, default=None,
                         help="numpy's BLAS threads, set through threadpoolctl (default: --threads)")
@@ -560,9 +561,9 @@ def main():
     if args.blas_threads is None:
         args.blas_threads = args.threads
     counts = (args.repeats, args.threads, args.blas_threads, args.batch_size)
-    if min(counts) < 1 or min(args.warmup, args.float64_steps) < 0:
+    if min(counts) < 1 or min(args.warmup, args.float64_steps, args.settle) < 0:
         parser.error("--repeats, --threads, --blas-threads and --batch-size must be at least 1, "
-                     "--warmup and --float64-steps at least 0")
+                     "--warmup, --settle and --float64-steps at least 0")
     torch.set_num_threads(args.threads)
     limiter = None
     if threadpoolctl is not None:
@@ -576,7 +577,7 @@ def main():
 
     gemm, tgemm, load = gemm_rates(), torch_gemm_rates(), os.getloadavg()[0]
     print("command: python bench/step_vs_torch.py " + " ".join(sys.argv[1:]))
-    print(f"machine: {os.cpu_count()} CPUs; numpy {np.__version__}, BLAS: {blas_description()}; "
+    print(f"machine: {os.cpu_count()} CPUs; numpy {np.__version__}, BLAS: {blas.describe()}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"batch {args.batch_size}, float32, SGD lr {args.lr} momentum 0.9 weight decay 5e-4; "
           f"{args.warmup} warm-up + {args.repeats} timed steps per side; times in s/step as median [min-max]")
