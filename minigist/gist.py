@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .codecs import Codec, GistConfig, registered_codec
+from .codecs import Codec, GistConfig, kernels, registered_codec
 from .codecs.segmented import PerSample
 from .program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in
 
@@ -353,9 +353,13 @@ class FusedReluPool(Codec):
     def encode(self, xp, x, enc, ws):
         argmax, pool_out = x
         codes, positive = ws["codes"], ws["positive"]
-        codes.fill(self.positions)
-        xp.greater(pool_out, 0, out=positive)
-        xp.copyto(codes, argmax, where=positive, casting="unsafe")
+        if argmax.dtype == np.uint8 and kernels.active(xp, argmax, pool_out, codes):
+            kernels.relu_pool_codes(argmax.reshape(-1), pool_out.reshape(-1), np.uint8(self.positions),
+                                    codes.reshape(-1))
+        else:
+            codes.fill(self.positions)
+            xp.greater(pool_out, 0, out=positive)
+            xp.copyto(codes, argmax, where=positive, casting="unsafe")
         self.packed.encode(xp, codes, enc, {k[7:]: v for k, v in ws.items() if k.startswith("packed.")})
 
     def decode(self, xp, enc, out, ws):

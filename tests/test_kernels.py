@@ -236,6 +236,31 @@ def test_bit_packing_same_bytes(n):
         assert ufunc == kernel
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 5, 7), (4, 8, 16, 16)])
+def test_relu_pool_codes_same_bytes(shape):
+    """relu-pool-4bit: the kernel selects the codes (argmax where the pool output is > 0,
+    else the reserved code; NaN, +-0 and negatives get the reserved one) that the ufunc path
+    selects, so the packed bytes and what decodes from them are the same."""
+    from minigist.codecs.bits import PackedCodes
+    from minigist.gist import FusedReluPool
+    codec = FusedReluPool(PackedCodes(4), 9)
+    n = int(np.prod(shape))
+    pool_out = awkward_floats(max(n, 32))[:n].reshape(shape)
+    argmax = RNG.integers(0, 9, shape).astype(np.uint8)
+
+    def roundtrip():
+        enc = {k: np.full(d.shape, 0x5A, d.dtype) for k, d in codec.encoded(shape).items()}
+        ws = {k: np.full(d.shape, 7, d.dtype) for k, d in codec.workspace(shape, "encode").items()}
+        codec.encode(np, (argmax, pool_out), enc, ws)
+        out = np.zeros(shape, np.uint8)
+        ws = {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(shape, "decode").items()}
+        codec.decode(np, enc, out, ws)
+        return enc["codes"].tobytes(), out
+    (ufunc, ufunc_out), (kernel, kernel_out) = ufunc_then_kernel(roundtrip)
+    assert ufunc == kernel
+    np.testing.assert_array_equal(kernel_out, np.where(pool_out > 0, argmax, 9))
+
+
 @pytest.mark.parametrize("fmt", ["bitmap", "csr"])
 def test_ssdc_kernels_refuse_a_corrupt_encoding(fmt):
     """A bitmap or row pointers that disagree with the header are refused (ValueError) before

@@ -27,8 +27,8 @@ Compiled code is cached next to this file (numba's `cache=True`), so only the fi
 machine pays the compile time (about 4 s for a train.py run under --gist all; later runs
 load them from the cache, numba's import adds about 0.4 s).
 
-The bit-packing codecs (mask-1bit, index-{1,2,4}bit, and the packing step of relu-pool-4bit)
-pack and unpack in one loop too. SSDC with fp10 values (3 per word) stays on the ufunc path.
+The bit-packing codecs (mask-1bit, index-{1,2,4}bit, and relu-pool-4bit, whose codes are
+selected in one loop before they are packed) pack and unpack in one loop too. SSDC with fp10 values (3 per word) stays on the ufunc path.
 The kernels run on one thread: the codecs run between BLAS calls, and OpenBLAS's threads keep
 spinning for a while after each; split over two threads (numba's prange, with the OpenMP and
 the workqueue layers) they made a ResNet-20 step under all + fp16 slower, 1.2x to 4.4x of no
@@ -502,6 +502,13 @@ if numba is not None:
             for j in range(n % 8):
                 byte |= (1 if x[n - n % 8 + j] > 0 else 0) << (7 - j)
             dst[n // 8] = byte
+
+    @_jit
+    def relu_pool_codes(argmax, pool_out, positions, codes):
+        """codes <- argmax where pool_out > 0, else `positions` (Gist's relu-pool-4bit codes
+        before packing; NaN is not > 0). One pass instead of fill, compare and a masked copy."""
+        for i in range(codes.size):
+            codes[i] = argmax[i] if pool_out[i] > 0 else positions
 
     @_jit
     def pack_codes(codes, dst, bits):
