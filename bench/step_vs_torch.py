@@ -1,8 +1,9 @@
 """Time one SGD training step of minigist against PyTorch on the same net, batch and weights.
 
     python bench/step_vs_torch.py [--models vgg_small,resnet20,inception_small] [--batch-size 32]
-                                  [--repeats 11] [--warmup 2] [--settle 0.3] [--threads 2] [--blas-threads N]
-                                  [--lr 0.01] [--no-gist] [--float64-steps 4]
+                                  [--repeats 11] [--warmup 2] [--block 4] [--settle 0.3]
+                                  [--threads 2] [--blas-threads N] [--lr 0.01] [--no-gist]
+                                  [--float64-steps 4]
 
 PyTorch (CPU) is needed for this bench only: `pip install torch`; threadpoolctl, if installed,
 sets (--blas-threads, by default --threads) the BLAS threads numpy uses; without it they are
@@ -14,12 +15,14 @@ For each model the equivalent torch.nn module is built from minigist's TRAIN gra
 layer, over the same blob names) and given a copy of minigist's initial weights; both sides
 train with SGD (momentum 0.9, weight decay 5e-4, the same lr and per-parameter lr_mult /
 decay_mult) on the same two batches in turn. After `--warmup` steps each, the two are timed in
-alternation (minigist, torch, minigist, torch, ...) so that machine noise hits both alike, with
-a pause of `--settle` seconds before each timed step: OpenBLAS's worker threads keep spinning
-for about 0.1 s after a call (2^28 cycles) and torch's OpenMP threads for a while too, so a
-step that starts at once shares the two cores with the other side's spinning threads. Without
-the pause torch's resnet20 step measured 0.10-0.13 s instead of its 0.05 s alone, and
-minigist's vgg_small step 0.18 s instead of 0.165 (bench/README, session 5). The report
+alternating blocks (a block: one untimed step, then `--block` timed ones; minigist, torch,
+minigist, ...) so that machine noise hits both alike, with a pause of `--settle` seconds before
+each block. Both matter for a fair figure: OpenBLAS's worker threads keep spinning for about
+0.1 s after a call and torch's OpenMP threads for a while too, so a step that starts at once
+shares the two cores with the other side's spinning threads; and a step that follows the other
+side's finds the caches full of the other side's data. Alternating single steps with no pause
+measured torch's resnet20 step at 0.10-0.13 s instead of 0.05, and single steps with the pause
+its vgg_small step at 0.12 s against 0.096 s run alone (bench/README, session 5). The report
 gives, per model:
 
 - the median, min and max step time of each side and the ratio minigist / torch (of the
@@ -453,23 +456,24 @@ def compare(args, name, path):
     torch_batches = [(torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))) for x, y in batches]
     losses = {"minigist": [], "torch": []}
     times = {"minigist": [], "torch": []}
-    meter = None
-    for step in range(args.warmup + args.repeats):
-        if step == args.warmup:
-            meter = cpu_sample()
-        timed = step >= args.warmup
-        time.sleep(args.settle)
-        start = time.perf_counter()
-        losses["minigist"].append(net.train_step(*batches[step % 2]))
-        elapsed = time.perf_counter() - start
-        if timed:
-            times["minigist"].append(elapsed)
-        time.sleep(args.settle)
-        start = time.perf_counter()
-        losses["torch"].append(torch_step(model, optimizer, *torch_batches[step % 2]))
-        elapsed = time.perf_counter() - start
-        if timed:
-            times["torch"].append(elapsed)
+    sides = {"minigist": lambda step: net.train_step(*batches[step % 2]),
+             "torch": lambda step: torch_step(model, optimizer, *torch_batches[step % 2])}
+    for step in range(args.warmup):
+        for label, run in sides.items():
+            losses[label].append(run(step))
+    meter = cpu_sample()
+    while len(times["minigist"]) < args.repeats:
+        for label, run in sides.items():
+            time.sleep(args.settle)
+            # a block's first step runs in the caches and thread states the other side
+            # left: untimed, its loss still checked
+            for index in range(args.block + 1):
+                step = len(losses[label])
+                start = time.perf_counter()
+                losses[label].append(run(step))
+                elapsed = time.perf_counter() - start
+                if index and len(times[label]) < args.repeats:
+                    times[label].append(elapsed)
     others = other_load(meter, cpu_sample())
     rel = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses["minigist"], losses["torch"])]
     # the trained weights after the same steps on both sides, as one relative L2 distance (a
@@ -547,8 +551,10 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=11, help="timed steps per side (per Gist mode)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side before timing")
+    parser.add_argument("--block", type=int, default=4,
+                        help="timed steps per side in a row, after one untimed step (default 4)")
     parser.add_argument("--settle", type=float, default=0.3,
-                        help="seconds of pause before each timed step, so that the other side's "
+                        help="seconds of pause before each block, so that the other side's "
                              "spinning BLAS/OpenMP threads are asleep when it starts")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (torch.set_num_threads)")
     parser.add_argument("--blas-threads", type=int, default=None,
@@ -560,9 +566,9 @@ def main():
     args = parser.parse_args()
     if args.blas_threads is None:
         args.blas_threads = args.threads
-    counts = (args.repeats, args.threads, args.blas_threads, args.batch_size)
+    counts = (args.repeats, args.threads, args.blas_threads, args.batch_size, args.block)
     if min(counts) < 1 or min(args.warmup, args.float64_steps, args.settle) < 0:
-        parser.error("--repeats, --threads, --blas-threads and --batch-size must be at least 1, "
+        parser.error("--repeats, --block, --threads, --blas-threads and --batch-size must be at least 1, "
                      "--warmup, --settle and --float64-steps at least 0")
     torch.set_num_threads(args.threads)
     limiter = None
@@ -580,7 +586,8 @@ def main():
     print(f"machine: {os.cpu_count()} CPUs; numpy {np.__version__}, BLAS: {blas.describe()}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"batch {args.batch_size}, float32, SGD lr {args.lr} momentum 0.9 weight decay 5e-4; "
-          f"{args.warmup} warm-up + {args.repeats} timed steps per side; times in s/step as median [min-max]")
+          f"{args.warmup} warm-up + {args.repeats} timed steps per side, in alternating blocks of 1 untimed + "
+          f"{args.block} timed after a {args.settle:g} s pause; times in s/step as median [min-max]")
     print(flush=True)
     results, gist = [], {}
     for name in models:
