@@ -26,8 +26,13 @@ def _channel_sums(xp, values, out, ones, rows):
     with a vector of ones into rows (at least b of them, C wide), then a sum down the b rows.
     BLAS's gemv does this 3-5x faster on a CPU than xp.sum over the two axes. ones (S,) is
     workspace, which holds nothing between steps: the layer fills it once per pass."""
-    b = values.shape[0]
-    xp.matmul(values, ones, out=rows[:b])
+    b, c, s = values.shape
+    if values.flags.c_contiguous and rows.flags.c_contiguous:
+        # one gemv over the b*C rows, not one per sample: the same dot products (the same
+        # bytes), half the time at resnet20's shapes, and one BLAS call instead of b
+        xp.matmul(values.reshape(b * c, s), ones, out=rows[:b].reshape(b * c))
+    else:
+        xp.matmul(values, ones, out=rows[:b])
     xp.sum(rows[:b], axis=0, out=out)
 
 
