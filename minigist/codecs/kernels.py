@@ -28,7 +28,8 @@ machine pays the compile time (about 4 s for a train.py run under --gist all; la
 load them from the cache, numba's import adds about 0.4 s).
 
 The bit-packing codecs (mask-1bit, index-{1,2,4}bit, and relu-pool-4bit, whose codes are
-selected in one loop before they are packed) pack and unpack in one loop too. SSDC with fp10 values (3 per word) stays on the ufunc path.
+selected in one loop before they are packed) pack and unpack in one loop too. SSDC with fp10
+values (3 per word) stays on the ufunc path.
 The kernels run on one thread: the codecs run between BLAS calls, and OpenBLAS's threads keep
 spinning for a while after each; split over two threads (numba's prange, with the OpenMP and
 the workqueue layers) they made a ResNet-20 step under all + fp16 slower, 1.2x to 4.4x of no
