@@ -12,9 +12,10 @@ declared workspace:
   left border of the next, so a 3x3 pad-1 convolution computes W + 1 columns per row, not W + 2;
 - `xpad`: the zero-padded input chunk the im2col view reads from (only with pad > 0), flat,
   with the few zeros more that the wide columns read past its end;
-- backward: `gyfold` (gy of a chunk as (O, b, OH, Wc)); `gwsum` (a later chunk's weight
-  gradient, computed a block of output rows at a time and added in: `gw_block_bytes`, not a
-  second dW); for the input gradient either `gypad` + `wflip` + `gxfold` (stride 1, where a
+- backward: `gyfold` (gy of a chunk as (O, b, OH, Wc)); `gwt` (a chunk's weight gradient
+  transposed, dW^T = cols gy^T, copied or added into dW, where dW fits `gw_block_bytes`:
+  `_gw_transposed`) or else `gwsum` (a later chunk's weight gradient, computed a block of
+  output rows at a time and added in: `gw_block_bytes`, not a second dW); for the input gradient either `gypad` + `wflip` + `gxfold` (stride 1, where a
   cost model finds it cheaper: gx is the stride-1 convolution of the padded gy with the
   flipped, transposed weights, no col2im scatter) or `gxpad` (any stride: the columns W^T gy
   scattered back by one strided add per kernel offset). The backward re-does the im2col of
@@ -500,10 +501,11 @@ class Convolution(Layer):
                 src = self._stage_input(xp, x[0][n0:n0 + b], ws, n0 == 0)
                 cols = col[:c * kh * kw * width].reshape(c, kh, kw, b, oh, wc)
                 _im2col(xp, src, cols, self.stride, self.dilation)
-                colsT = cols.reshape(g, self.cols, width).transpose(0, 2, 1)
+                cols3 = cols.reshape(g, self.cols, width)
+                colsT = cols3.transpose(0, 2, 1)
                 if "gwt" in ws:
                     gwt = ws["gwt"]
-                    xp.matmul(cols.reshape(g, self.cols, width), gyf.transpose(0, 2, 1), out=gwt)
+                    xp.matmul(cols3, gyf.transpose(0, 2, 1), out=gwt)
                     if n0 == 0:
                         xp.copyto(gw3, gwt.transpose(0, 2, 1))
                     else:
