@@ -67,7 +67,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import minigist  # noqa: E402
-from minigist import blas  # noqa: E402
+from minigist import blas, onednn  # noqa: E402
 from minigist.codecs import kernels  # noqa: E402
 
 try:
@@ -445,24 +445,29 @@ def torch_step(model, optimizer, images, labels):
 
 
 def compare(args, name, path):
-    """Alternate minigist and torch steps on one model; returns a result dict."""
-    solver = minigist.SGD(lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    net = minigist.Net(path, batch_size=args.batch_size, seed=0, solver=solver, alloc="static")
+    """Alternate the minigist nets (one per --conv engine) and torch's steps on one model;
+    returns one result dict per engine, and the batches."""
+    nets = {}
+    for engine in args.conv:
+        solver = minigist.SGD(lr=args.lr, momentum=0.9, weight_decay=5e-4)
+        nets[engine] = minigist.Net(path, batch_size=args.batch_size, seed=0, solver=solver, alloc="static",
+                                    conv=engine)
+    net = nets[args.conv[0]]
     graph = net.train_graph
     rng = np.random.default_rng(0)
     batches = make_batches(rng, args.batch_size, graph.input_shape)
     model = TorchTwin(graph, {k: np.asarray(v) for k, v in net.params().items()})
     optimizer = model.optimizer(args.lr, 0.9, 5e-4)
     torch_batches = [(torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))) for x, y in batches]
-    losses = {"minigist": [], "torch": []}
-    times = {"minigist": [], "torch": []}
-    sides = {"minigist": lambda step: net.train_step(*batches[step % 2]),
-             "torch": lambda step: torch_step(model, optimizer, *torch_batches[step % 2])}
+    sides = {engine: (lambda step, n=n: n.train_step(*batches[step % 2])) for engine, n in nets.items()}
+    sides["torch"] = lambda step: torch_step(model, optimizer, *torch_batches[step % 2])
+    losses = {label: [] for label in sides}
+    times = {label: [] for label in sides}
     for step in range(args.warmup):
         for label, run in sides.items():
             losses[label].append(run(step))
     meter = cpu_sample()
-    while len(times["minigist"]) < args.repeats:
+    while len(times["torch"]) < args.repeats:
         for label, run in sides.items():
             time.sleep(args.settle)
             # a block's first step runs in the caches and thread states the other side
@@ -475,16 +480,20 @@ def compare(args, name, path):
                 if index and len(times[label]) < args.repeats:
                     times[label].append(elapsed)
     others = other_load(meter, cpu_sample())
-    rel = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses["minigist"], losses["torch"])]
-    # the trained weights after the same steps on both sides, as one relative L2 distance (a
-    # float32 near-tie in a max pool can route one gradient element elsewhere, so element-wise
-    # maxima are noisy; the norm is not)
-    weight_diff = weight_distance(net, model)
     flops = step_flops(graph)
-    result = {"name": name, "times": times, "losses": losses, "rel": rel, "flops": flops,
-              "weight_diff": weight_diff, "others": others, "dropout": model.has_dropout, "fused": len(model.fused),
-              "pair_ratios": [a / b for a, b in zip(times["minigist"], times["torch"])]}
-    return result, batches
+    results = []
+    for engine, net in nets.items():
+        rel = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[engine], losses["torch"])]
+        # the trained weights after the same steps on both sides, as one relative L2 distance
+        # (a float32 near-tie in a max pool can route one gradient element elsewhere, so
+        # element-wise maxima are noisy; the norm is not)
+        results.append({
+            "name": name, "engine": engine, "rel": rel, "flops": flops,
+            "times": {"minigist": times[engine], "torch": times["torch"]},
+            "losses": {"minigist": losses[engine], "torch": losses["torch"]},
+            "weight_diff": weight_distance(net, model), "others": others, "dropout": model.has_dropout,
+            "fused": len(model.fused), "pair_ratios": [a / b for a, b in zip(times[engine], times["torch"])]})
+    return results, batches
 
 
 def float64_check(args, path, batches):
@@ -521,13 +530,15 @@ def gist_configs():
     return GIST_CONFIGS + ([UFUNC_CONFIG] if kernels.available() else [])
 
 
-def gist_ratios(args, path, batches):
-    """Each Gist mode's median step time; the nets calibrated on `batches`, then alternated."""
+def gist_ratios(args, path, batches, engine):
+    """Each Gist mode's median step time with one --conv engine; the nets calibrated on
+    `batches`, then alternated."""
     nets, kernel_flags = {}, {}
     for label, gist, dpr in gist_configs():
         kernel_flags[label] = kernels.available() and label != UFUNC_CONFIG[0]
         solver = minigist.SGD(lr=args.lr, momentum=0.9, weight_decay=5e-4)
-        net = minigist.Net(path, batch_size=args.batch_size, seed=0, solver=solver, gist=gist, dpr=dpr)
+        net = minigist.Net(path, batch_size=args.batch_size, seed=0, solver=solver, gist=gist, dpr=dpr,
+                           conv=engine)
         net.calibrate(batches)
         for step in range(args.warmup):
             net.train_step(*batches[step % 2])
@@ -559,6 +570,9 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (torch.set_num_threads)")
     parser.add_argument("--blas-threads", type=int, default=None,
                         help="numpy's BLAS threads, set through threadpoolctl (default: --threads)")
+    parser.add_argument("--conv", default=None,
+                        help="comma-separated minigist convolution engines to time (im2col, onednn; "
+                             "default: both where oneDNN is installed, else im2col)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--no-gist", action="store_true", help="skip the Gist-mode timings")
     parser.add_argument("--float64-steps", type=int, default=4,
@@ -566,6 +580,16 @@ def main():
     args = parser.parse_args()
     if args.blas_threads is None:
         args.blas_threads = args.threads
+    if args.conv is None:
+        args.conv = "im2col,onednn" if onednn.available() else "im2col"
+    args.conv = [engine for engine in args.conv.split(",") if engine]
+    for engine in args.conv:
+        if engine not in minigist.CONV_ENGINES:
+            parser.error(f"--conv: unknown engine {engine!r} (expected {', '.join(minigist.CONV_ENGINES)})")
+        if engine == "onednn" and not onednn.available():
+            parser.error(f"--conv onednn: {onednn.unavailable_reason()}")
+    if not args.conv:
+        parser.error("--conv: name at least one engine")
     counts = (args.repeats, args.threads, args.blas_threads, args.batch_size, args.block)
     if min(counts) < 1 or min(args.warmup, args.float64_steps, args.settle) < 0:
         parser.error("--repeats, --block, --threads, --blas-threads and --batch-size must be at least 1, "
@@ -585,6 +609,9 @@ def main():
     print("command: python bench/step_vs_torch.py " + " ".join(sys.argv[1:]))
     print(f"machine: {os.cpu_count()} CPUs; numpy {np.__version__}, BLAS: {blas.describe()}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"minigist convolution engines: {', '.join(args.conv)}"
+          + (f"; {onednn.describe()}, {os.environ.get('OMP_NUM_THREADS', os.cpu_count())} OpenMP threads, "
+             "numpy's BLAS on 1 thread during its steps" if "onednn" in args.conv else ""))
     print(f"batch {args.batch_size}, float32, SGD lr {args.lr} momentum 0.9 weight decay 5e-4; "
           f"{args.warmup} warm-up + {args.repeats} timed steps per side, in alternating blocks of 1 untimed + "
           f"{args.block} timed after a {args.settle:g} s pause; times in s/step as median [min-max]")
@@ -592,13 +619,16 @@ def main():
     results, gist = [], {}
     for name in models:
         print(f"[{name}] minigist vs torch ...", file=sys.stderr, flush=True)
-        result, batches = compare(args, name, paths[name])
+        rows, batches = compare(args, name, paths[name])
         if args.float64_steps:
-            result["float64"] = float64_check(args, paths[name], batches)
-        results.append(result)
+            check = float64_check(args, paths[name], batches)
+            for row in rows:
+                row["float64"] = check
+        results.extend(rows)
         if not args.no_gist:
-            print(f"[{name}] Gist modes ...", file=sys.stderr, flush=True)
-            gist[name] = gist_ratios(args, paths[name], batches)
+            for engine in args.conv:
+                print(f"[{name}] Gist modes, {engine} ...", file=sys.stderr, flush=True)
+                gist[name, engine] = gist_ratios(args, paths[name], batches, engine)
     gemm += gemm_rates()      # once more at the end: the figure covers the whole run
     tgemm += torch_gemm_rates()
     rate = statistics.median(gemm)
@@ -609,26 +639,25 @@ def main():
     print(f"1-minute load average before the run: {load:.2f} (on {os.cpu_count()} CPUs); 'others': the share "
           f"of the machine's CPU time that other processes (and steal) took while the rows were timed")
     print()
-    print("| model | minigist s/step | torch s/step | minigist/torch: medians (pairs min-max) | minima "
+    print("| model | conv | minigist s/step | torch s/step | minigist/torch: medians (pairs min-max) | minima "
           "| GFLOP/step | GEMM share minigist | GEMM share torch | others |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         t = r["times"]
         ratio = statistics.median(t["minigist"]) / statistics.median(t["torch"])
         best = min(t["minigist"]) / min(t["torch"])
         shares = [f"{100 * r['flops'] / statistics.median(ts) / 1e9 / rate:.1f}% "
                   f"({100 * r['flops'] / min(ts) / 1e9 / max(gemm):.1f}%)" for ts in (t["minigist"], t["torch"])]
-        print(f"| {r['name']} | {fmt_time(t['minigist'])} | {fmt_time(t['torch'])} | {ratio:.2f} "
+        print(f"| {r['name']} | {r['engine']} | {fmt_time(t['minigist'])} | {fmt_time(t['torch'])} | {ratio:.2f} "
               f"({min(r['pair_ratios']):.2f}-{max(r['pair_ratios']):.2f}) | {best:.2f} | {r['flops'] / 1e9:.2f} "
               f"| {shares[0]} | {shares[1]} | {r['others']} |")
     print("GEMM share: step FLOPs / median step time / median GEMM rate "
           "(in parentheses: / fastest step / fastest GEMM, the least disturbed figures)")
     print()
     f64 = f"float64, {args.float64_steps} steps: loss / weights rel. diff"
-    print(f"| model | first-step loss minigist | torch | rel. diff | check (< {LOSS_RTOL:g}; float64 < {EXACT_RTOL:g}) "
-          "| max rel. diff, all steps "
-          f"| weights after all steps, rel. L2 diff | {f64} |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|")
+    print(f"| model | conv | first-step loss minigist | torch | rel. diff | check (< {LOSS_RTOL:g}; "
+          f"float64 < {EXACT_RTOL:g}) | max rel. diff, all steps | weights after all steps, rel. L2 diff | {f64} |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|")
     failed = False
     for r in results:
         first = r["rel"][0]
@@ -639,21 +668,22 @@ def main():
             bad = first >= LOSS_RTOL or ("float64" in r and r["float64"][0] >= EXACT_RTOL)
             verdict = "FAIL" if bad else "ok"
             failed = failed or bad
-        print(f"| {r['name']} | {r['losses']['minigist'][0]:.7f} | {r['losses']['torch'][0]:.7f} | {first:.1e} "
+        print(f"| {r['name']} | {r['engine']} | {r['losses']['minigist'][0]:.7f} | {r['losses']['torch'][0]:.7f} | {first:.1e} "
               f"| {verdict} | {max(r['rel']):.1e} | {r['weight_diff']:.1e} | {exact} |")
     print("torch twins: " + ", ".join(f"{r['name']} {r['fused']} BatchNorm+Scale pairs run as one batch_norm"
-                                      for r in results))
+                                      for r in results if r["engine"] == args.conv[0]))
+    print("float64: the im2col engine (oneDNN's CPU kernels have no float64)")
     if gist:
         print()
         print("codecs: " + (f"compiled kernels (numba {kernels.numba.__version__})" if kernels.available()
                             else "ufunc path (numba not installed)"))
-        print("| model | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in gist_configs())
+        print("| model | conv | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in gist_configs())
               + " | SSDC fallbacks | others |")
-        print("|---|" + "---:|" * len(gist_configs()) + "---:|---:|")
-        for name, (times, fallbacks, others) in gist.items():
+        print("|---|---|" + "---:|" * len(gist_configs()) + "---:|---:|")
+        for (name, engine), (times, fallbacks, others) in gist.items():
             base = statistics.median(times["none"])
             cells = [f"{fmt_time(t)} ({statistics.median(t) / base:.3f})" for t in times.values()]
-            print(f"| {name} | " + " | ".join(cells) + f" | {sum(fallbacks.values())} | {others} |")
+            print(f"| {name} | {engine} | " + " | ".join(cells) + f" | {sum(fallbacks.values())} | {others} |")
     if limiter is not None:
         limiter.restore_original_limits()
     if failed:

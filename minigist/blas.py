@@ -7,14 +7,24 @@ names others (some machines set it to work around old OpenBLAS builds), so the l
 kernels run and whether the environment chose them. numpy's OpenBLAS is asked through ctypes
 (Linux), without threadpoolctl.
 """
+import contextlib
 import ctypes
 import os
 
 import numpy  # noqa: F401  (loads numpy's BLAS, which the functions below inspect)
 
 
+_handle = []
+
+
 def _loaded_openblas():
-    """A ctypes handle on the OpenBLAS this process loaded (Linux), or None."""
+    """A ctypes handle on the OpenBLAS this process loaded (Linux), or None; looked up once."""
+    if not _handle:
+        _handle.append(_find_openblas())
+    return _handle[0]
+
+
+def _find_openblas():
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1].lower()}
@@ -59,6 +69,47 @@ def openblas_info():
             threads = function()
             break
     return version, corename, threads
+
+
+def _function(lib, names, restype):
+    for name in names:
+        function = getattr(lib, name, None)
+        if function is not None:
+            function.restype = restype
+            return function
+    return None
+
+
+def get_threads():
+    """OpenBLAS's current thread count, or None when numpy uses another BLAS."""
+    lib = _loaded_openblas()
+    function = lib and _function(lib, ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                                       "openblas_get_num_threads"), ctypes.c_int)
+    return function() if function else None
+
+
+def set_threads(count):
+    """Set OpenBLAS's thread count for the process (a cheap switch: its threads stay alive);
+    returns the previous count, or None (and changes nothing) for another BLAS."""
+    lib = _loaded_openblas()
+    function = lib and _function(lib, ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                                       "openblas_set_num_threads"), None)
+    previous = get_threads()
+    if function is None or previous is None:
+        return None
+    function(ctypes.c_int(int(count)))
+    return previous
+
+
+@contextlib.contextmanager
+def threads(count):
+    """OpenBLAS on `count` threads inside the block (None: leave it as it is)."""
+    previous = set_threads(count) if count is not None else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            set_threads(previous)
 
 
 def describe():

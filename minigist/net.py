@@ -14,6 +14,7 @@ import tempfile
 
 import numpy as np
 
+from . import blas
 from .backend import get_xp, to_numpy
 from .errors import MinigistError
 from .codecs import GistConfig
@@ -21,6 +22,8 @@ from .executor import SGD, DynamicExecutor, Executor, GistStats, view
 from .gist import apply_gist
 from .fillers import fill
 from .graph import build_graph
+from .layers.conv import Convolution
+from . import onednn
 from .memory import plan_none
 from .memory.plan import MODES, MemoryPlan
 from .memory.pool import Pool
@@ -28,12 +31,14 @@ from .memory.report import footprint_report
 from .program import build_program, param_buffer_names
 
 UPDATES = ("separate", "fused")
+CONV_ENGINES = Convolution.ENGINES
 
 
 class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
-                 binarize="fused", gist_overrides=None, ssdc_density=None, update="separate"):
+                 binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
+                 conv="im2col"):
         if alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
         try:
@@ -47,6 +52,11 @@ class Net:
         self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype)
                        for phase in ("TRAIN", "TEST")}
         self.train_graph = self.graphs["TRAIN"]
+        self.conv = set_conv_engine(self.graphs.values(), conv, self.xp, self.dtype)
+        # oneDNN's OpenMP threads take the cores; OpenBLAS's idle threads spin for about 0.1 s
+        # after each call and would take them back (resnet20's step: 266 ms with two BLAS
+        # threads, 39 ms with one). Its few BLAS calls run on one thread during a step.
+        self.blas_threads = 1 if conv == "onednn" else None
         if update not in UPDATES:
             raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {update!r}")
         self.update = update
@@ -199,12 +209,14 @@ class Net:
     def forward_backward(self, *inputs):
         """Forward and backward on one batch, no update; returns the weighted loss. The weight
         gradients stay readable (`grads()`) only with update="separate"."""
-        return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"),
-                                           update=False)
+        with blas.threads(self.blas_threads):
+            return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"),
+                                               update=False)
 
     def train_step(self, *inputs):
         """One SGD iteration on one batch (data, label); returns the weighted loss."""
-        return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
+        with blas.threads(self.blas_threads):
+            return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
 
     def evaluate(self, *inputs):
         """TEST-phase forward; returns {output blob: value} for the blobs no layer consumes
@@ -217,7 +229,8 @@ class Net:
                 value = to_numpy(arrays[name])
                 result[blob] = float(value) if value.ndim == 0 else value.copy()
             return result
-        return self.executors["eval"].run(self._feeder("eval", inputs), collect)
+        with blas.threads(self.blas_threads):
+            return self.executors["eval"].run(self._feeder("eval", inputs), collect)
 
     def report(self):
         """The footprint report (a dict) of the training program under this net's mode, with
@@ -227,7 +240,7 @@ class Net:
                           "ssdc_density_seen": dict(self.stats.density),
                           "ssdc_fallbacks": self.stats.fallbacks,
                           "ssdc_fallback_bytes": self.stats.fallback_bytes},
-                 "update": self.update}
+                 "update": self.update, "conv": self.conv}
         return footprint_report(self.plans["train"], model=self.model,
                                 parameters=self.train_graph.param_count(), extra=extra)
 
@@ -351,8 +364,28 @@ def summary(graph):
     return "\n".join(lines)
 
 
+def set_conv_engine(graphs, conv, xp=np, dtype=np.float32):
+    """Check the --conv engine and hand it to every Convolution layer of `graphs` before
+    their workspaces are planned (oneDNN's blocked copies replace the im2col columns)."""
+    if conv not in CONV_ENGINES:
+        raise MinigistError(f"--conv: expected one of {', '.join(CONV_ENGINES)}, got {conv!r}")
+    if conv == "onednn":
+        if not onednn.available():
+            raise MinigistError(f"--conv onednn: {onednn.unavailable_reason()}")
+        if xp is not np:
+            raise MinigistError("--conv onednn runs on the CPU only (--device cpu)")
+        if np.dtype(dtype) != np.float32:
+            raise MinigistError(f"--conv onednn runs float32 only, not {np.dtype(dtype).name}")
+    for graph in graphs:
+        for layer in graph.layers:
+            if isinstance(layer, Convolution):
+                layer.engine = conv
+    return conv
+
+
 def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
-                   gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate"):
+                   gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
+                   conv="im2col"):
     """The footprint report of one training iteration, computed from shapes alone: no array
     is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
     (measured densities: a plan cannot see data)."""
@@ -365,7 +398,9 @@ def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtyp
     except ValueError as exc:
         raise MinigistError(str(exc)) from None
     graph = build_graph(model, "TRAIN", batch_size, input_size, dtype)
+    set_conv_engine([graph], conv, np, dtype)
     program = apply_gist(build_program(graph, train=True, fused_update=update == "fused"), config)
-    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update}
+    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update,
+             "conv": conv}
     return footprint_report(MemoryPlan(program, alloc), model=str(model), parameters=graph.param_count(),
                             extra=extra)

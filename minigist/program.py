@@ -248,6 +248,8 @@ def build_program(graph, train=True, fused_update=False):
             else:
                 gp.append(None)
         forward = steps[node_index]
+        # which input gradients the backward writes: a layer may size its workspace by them
+        layer.gx_needed = tuple(name is not None for name in gx)
         steps.append(Step("backward", layer, {
             "x": [f"blob:{b}" if i in layer.keeps_bottoms else None for i, b in enumerate(node.bottoms)],
             "y": [f"blob:{t}" if i in layer.keeps_tops else None for i, t in enumerate(node.tops)],

@@ -125,6 +125,7 @@ class Layer:
     def has_backward(self):
         return True
 
+    gx_needed = None    # set by build_program before workspace("backward"): which gx are written
     stream_role = "x"   # which stash stream_chunk() is about: the first bottom, or "y" the top
 
     def stream_chunk(self):

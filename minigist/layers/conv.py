@@ -109,6 +109,8 @@ class Convolution(Layer):
     param_field = "convolution_param"
     chunk_bytes = 8 << 20       # target size of one chunk's im2col columns
     gw_block_bytes = 1 << 20    # target size of the partial weight gradient of a later chunk
+    ENGINES = ("im2col", "onednn")
+    engine = "im2col"           # or "onednn" (minigist/onednn.py): set before workspaces are asked for
 
     def setup(self, bottom_shapes):
         p = self.p
@@ -173,9 +175,30 @@ class Convolution(Layer):
     def inplace_safe(self, bottom_index, top_index):
         """gx may overwrite gy (and y x) when they have one shape: each batch chunk of gy (x)
         is copied into the column workspace (the 1x1 path: its staging workspace) before the
-        same chunk of gx (y) is written."""
+        same chunk of gx (y) is written; with oneDNN, where x and gy are reordered into
+        blocked copies before y and gx are written (and not where a kernel reads them as
+        they are)."""
         n, c, h, w = self.in_shape
-        return (c, h, w) == (self.num_output,) + self.out_hw
+        if (c, h, w) != (self.num_output,) + self.out_hw:
+            return False
+        if self.engine == "onednn":
+            prims = self.onednn_primitives()
+            return prims.reorders_all("forward", ("x", "y")) and prims.reorders_all("backward", ("gy", "gx"))
+        return True
+
+    def onednn_primitives(self):
+        """The layer's oneDNN primitives (made once, on first use): minigist/onednn.py."""
+        prims = getattr(self, "_onednn", None)
+        if prims is None:
+            from .. import onednn
+            if np.dtype(self.dtype) != np.float32:
+                self.fail(f"--conv onednn runs float32 only, not {np.dtype(self.dtype).name}")
+            prims = onednn.ConvPrimitives(
+                self.in_shape, self.num_output, self.group, self.kernel, self.stride, self.pad,
+                self.dilation, self.out_hw, self.bias_term,
+                bias_grad=self.bias_term and self.params[0].trained and self.params[1].trained)
+            self._onednn = prims
+        return prims
 
     # ---- geometry ----------------------------------------------------------------------
     def _transposed_cheaper(self):
@@ -264,8 +287,9 @@ class Convolution(Layer):
 
     def stream_chunk(self):
         """Samples of x the backward reads at a time (x[0][n0:n0 + b]): a stash encoded per
-        sample can be decoded one such slice at a time (minigist.codecs.segmented)."""
-        return self._chunk()
+        sample can be decoded one such slice at a time (minigist.codecs.segmented). oneDNN's
+        weight gradient reads the whole batch."""
+        return 0 if self.engine == "onednn" else self._chunk()
 
     def _padded_hw(self):
         n, c, h, w = self.in_shape
@@ -291,7 +315,24 @@ class Convolution(Layer):
             wg = _frame_width(self.out_hw[1], qw, dw * (kw - 1))
         return qh, qw, h + dh * (kh - 1), wg
 
+    def _onednn_workspace(self, phase):
+        """oneDNN's blocked copies and scratchpad, as bytes; in backward none for a gradient
+        that is not computed (frozen weights, no gx)."""
+        sizes = self.onednn_primitives().workspace(phase)
+        if phase == "backward":
+            skip = set()
+            if not self.params[0].trained:
+                skip |= {"x_blk", "gy_w_blk", "gw_blk"}
+            if self.gx_needed is not None and not self.gx_needed[0]:
+                skip |= {"w_blk", "gx_blk"}
+                if not self.params[0].trained:
+                    skip.add("gy_blk")
+            sizes = {name: nbytes for name, nbytes in sizes.items() if name not in skip}
+        return {name: TensorDecl((nbytes,), np.uint8) for name, nbytes in sizes.items()}
+
     def workspace(self, phase):
+        if self.engine == "onednn":
+            return self._onednn_workspace(phase)
         n, c, h, w = self.in_shape
         b = self._chunk()
         o, g = self.num_output, self.group
@@ -391,6 +432,9 @@ class Convolution(Layer):
     # ---- forward ------------------------------------------------------------------------
     def forward(self, xp, x, y, p, saved, ws):
         x0, y0 = x[0], y[0]
+        if self.engine == "onednn":
+            self.onednn_primitives().forward(x0, p[0], p[1] if self.bias_term else None, y0, ws)
+            return
         n, c = x0.shape[:2]
         g, o = self.group, self.num_output
         oh, ow = self.out_hw
@@ -437,6 +481,12 @@ class Convolution(Layer):
         c = self.in_shape[1]
         oh, ow = self.out_hw
         pix = oh * ow
+        if self.engine == "onednn":
+            if gb is not None and gw is None:   # oneDNN sums gy for gb with the weight gradient
+                xp.sum(gy0.reshape(n, o, pix), axis=(0, 2), out=gb)
+            if gw is not None or gx0 is not None:
+                self.onednn_primitives().backward(x[0] if gw is not None else None, p[0], gy0, gx0, gw, gb, ws)
+            return
         if gb is not None:
             xp.sum(gy0.reshape(n, o, pix), axis=(0, 2), out=gb)
         if gw is None and gx0 is None:

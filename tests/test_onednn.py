@@ -1,0 +1,222 @@
+"""The oneDNN convolution engine (--conv onednn): the same results as minigist's im2col engine
+to float32 rounding, on every convolution geometry; in place; partial backward; whole nets
+(deterministic, Gist lossless bit-exact, planned bytes); and its errors. The whole module
+needs the oneDNN library (`pip install minigist[fast]`, which CI installs)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import minigist
+from minigist import blas, onednn
+from minigist.errors import MinigistError
+from minigist.testing import LayerRun, make_layer
+
+from test_layers_conv_pool import CONV_CASES, CONV_IDS, conv_text
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+pytestmark = pytest.mark.skipif(not onednn.available(), reason=f"oneDNN: {onednn.unavailable_reason()}")
+
+
+def onednn_layer(text, shape, dtype=np.float32):
+    layer = make_layer(text, [shape], dtype=dtype)
+    layer.engine = "onednn"
+    return layer
+
+
+def relative(got, want):
+    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
+def test_onednn_matches_the_im2col_engine(case):
+    """Forward and full backward in float32 against the im2col engine in float64, from the same
+    weights; outputs and workspaces are handed in full of NaN (LayerRun), so anything the
+    engine leaves unwritten fails."""
+    body, shape, *_ = case
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(shape)
+    reference = LayerRun(make_layer(conv_text(body), [shape], dtype=np.float64), seed=1)
+    ref_y = reference.forward([x])[0]
+    gy = rng.standard_normal(ref_y.shape)
+    (ref_gx,), ref_gp = reference.backward([gy])
+    layer = onednn_layer(conv_text(body), shape)
+    run = LayerRun(layer, seed=1)
+    run.params = [p.astype(np.float32) for p in reference.params]
+    y = run.forward([x.astype(np.float32)])[0]
+    (gx,), gp = run.backward([gy.astype(np.float32)])
+    assert y.dtype == gx.dtype == np.float32
+    assert relative(y, ref_y) < 1e-6
+    assert relative(gx, ref_gx) < 1e-6
+    for got, want in zip(gp, ref_gp):
+        assert relative(got, want) < 1e-5
+    kernels = layer.onednn_primitives().implementations()
+    assert set(kernels) == {"forward", "backward_data", "backward_weights"}
+
+
+@pytest.mark.parametrize("body", ["num_output: 16 kernel_size: 3 pad: 1", "num_output: 16 kernel_size: 1",
+                                  "num_output: 16 kernel_size: 3 pad: 1 group: 2"])
+def test_onednn_in_place_gives_the_out_of_place_bits(body):
+    """Where the layer says y may overwrite x (gx gy), the blocked copies make it so."""
+    shape = (4, 16, 6, 5)
+    rng = np.random.default_rng(8)
+    x, gy = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    layer = onednn_layer(conv_text(body), shape)
+    assert layer.inplace_safe(0, 0) and layer.stream_chunk() == 0
+    reference = LayerRun(layer, seed=2)
+    ref_y = reference.forward([x])[0]
+    (ref_gx,), ref_gp = reference.backward([gy])
+    ws = {phase: {k: np.empty(d.shape, d.dtype or np.float32) for k, d in layer.workspace(phase).items()}
+          for phase in ("forward", "backward")}
+    inplace = x.copy()
+    layer.forward(np, [inplace], [inplace], reference.params, {}, ws["forward"])
+    np.testing.assert_array_equal(inplace, ref_y)
+    grad = gy.copy()
+    gp = [np.empty_like(p) for p in reference.params]
+    layer.backward(np, [x], [None], [grad], [grad], reference.params, gp, {}, ws["backward"])
+    np.testing.assert_array_equal(grad, ref_gx)
+    for got, want in zip(gp, ref_gp):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_onednn_partial_backward_and_frozen_weights():
+    """No gx asked: no backward-data copies; frozen weights: gb summed from gy alone, and no
+    copies of x for a weight gradient."""
+    shape = (3, 4, 6, 6)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(shape)
+    body = "num_output: 8 kernel_size: 3 pad: 1"
+    reference = LayerRun(make_layer(conv_text(body), [shape], dtype=np.float64), seed=4)
+    gy = rng.standard_normal(reference.forward([x])[0].shape)
+    (ref_gx,), ref_gp = reference.backward([gy])
+
+    layer = onednn_layer(conv_text(body), shape)
+    layer.gx_needed = (False,)
+    assert {"gx_blk", "w_blk"}.isdisjoint(layer.workspace("backward"))
+    run = LayerRun(layer, seed=4)
+    run.params = [p.astype(np.float32) for p in reference.params]
+    run.forward([x.astype(np.float32)])
+    (gx,), gp = run.backward([gy.astype(np.float32)], need_bottoms=[False])
+    assert gx is None
+    assert relative(gp[0], ref_gp[0]) < 1e-5 and relative(gp[1], ref_gp[1]) < 1e-5
+
+    frozen = conv_text(body).replace("convolution_param", "param { lr_mult: 0 } param { lr_mult: 1 } convolution_param")
+    layer = onednn_layer(frozen, shape)
+    assert layer.keeps_bottoms == ()
+    assert {"x_blk", "gw_blk"}.isdisjoint(layer.workspace("backward"))
+    run = LayerRun(layer, seed=4)
+    run.params = [p.astype(np.float32) for p in reference.params]
+    run.forward([x.astype(np.float32)])
+    (gx,), gp = run.backward([gy.astype(np.float32)])
+    assert gp[0] is None
+    assert relative(gx, ref_gx) < 1e-6 and relative(gp[1], ref_gp[1]) < 1e-6
+
+
+def small_net(model, **kwargs):
+    return minigist.Net(os.path.join(ROOT, "models", model + ".prototxt"), batch_size=4, seed=0,
+                        solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4), **kwargs)
+
+
+def batches(net, count=2, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (4,) + tuple(net.train_graph.input_shape)
+    return [(rng.standard_normal(shape).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(count)]
+
+
+def train(net, data, steps=3):
+    losses = [net.train_step(*data[step % len(data)]) for step in range(steps)]
+    return losses, {k: np.array(v) for k, v in net.params().items()}
+
+
+@pytest.mark.parametrize("model", ["resnet20", "vgg_small"])
+def test_onednn_nets_train_like_im2col_and_repeat_bit_for_bit(model):
+    ours = small_net(model, conv="onednn")
+    data = batches(ours)
+    losses, weights = train(ours, data)
+    again_losses, again = train(small_net(model, conv="onednn"), data)
+    assert losses == again_losses
+    for key in weights:
+        np.testing.assert_array_equal(weights[key], again[key])
+    theirs_losses, theirs = train(small_net(model, conv="im2col"), data)
+    np.testing.assert_allclose(losses, theirs_losses, rtol=1e-4)
+    assert relative(np.concatenate([w.ravel() for w in weights.values()]),
+                    np.concatenate([w.ravel() for w in theirs.values()])) < 1e-4
+
+
+@pytest.mark.parametrize("alloc", ["none", "dynamic"])
+def test_onednn_lossless_gist_and_allocation_modes_keep_the_bits(alloc):
+    """Gist lossless and every allocation mode train to the same bits as the plain static net."""
+    plain = small_net("vgg_small", conv="onednn")
+    data = batches(plain)
+    _, want = train(plain, data)
+    lossless = small_net("vgg_small", conv="onednn", gist="lossless")
+    lossless.calibrate(data)
+    _, got = train(lossless, data)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    _, got = train(small_net("vgg_small", conv="onednn", alloc=alloc), data)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_onednn_plan_is_the_declared_bytes():
+    """The shapes-only plan equals the built net's, and each convolution's workspace buffers
+    are exactly the blocked copies and scratchpad oneDNN asked for."""
+    net = small_net("resnet20", conv="onednn", update="fused")
+    planned = minigist.net.plan_footprint(os.path.join(ROOT, "models", "resnet20.prototxt"), batch_size=4,
+                                          update="fused", conv="onednn")
+    assert planned["footprint_bytes"] == net.report()["footprint_bytes"]
+    assert net.report()["conv"] == "onednn"
+    program = net.programs["train"]
+    checked = 0
+    for layer in net.train_graph.layers:
+        if layer.type != "Convolution":
+            continue
+        wanted = layer.onednn_primitives().workspace("forward")
+        found = {name.rsplit(".", 1)[1]: buffer.nbytes for name, buffer in program.buffers.items()
+                 if name.startswith(f"ws:{layer.name}.forward.")}
+        assert found == wanted
+        assert "col" not in found
+        checked += 1
+    assert checked == 21
+
+
+def test_onednn_runs_blas_on_one_thread_during_steps():
+    if blas.get_threads() is None:
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    net = small_net("resnet20", conv="onednn")
+    assert net.blas_threads == 1
+    seen = []
+    layer = next(layer for layer in net.train_graph.layers if layer.type == "InnerProduct")
+    original = type(layer).forward
+
+    def spy(self, *args):
+        seen.append(blas.get_threads())
+        return original(self, *args)
+    with blas.threads(2):
+        type(layer).forward = spy
+        try:
+            net.train_step(*batches(net)[0])
+        finally:
+            type(layer).forward = original
+        assert blas.get_threads() == 2
+    assert seen == [1]
+
+
+def test_onednn_errors():
+    with pytest.raises(MinigistError, match="--conv: expected one of im2col, onednn, got 'fast'"):
+        small_net("vgg_small", conv="fast")
+    with pytest.raises(MinigistError, match="--conv onednn runs float32 only, not float64"):
+        small_net("vgg_small", conv="onednn", dtype=np.float64)
+
+
+def test_train_py_without_the_library_is_a_one_line_error(tmp_path):
+    env = dict(os.environ, MINIGIST_ONEDNN_LIB=str(tmp_path / "libdnnl.so.3"))
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--conv", "onednn", "--iters", "1"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "--conv onednn:" in result.stderr and "libdnnl.so.3" in result.stderr
+    assert "Traceback" not in result.stderr
