@@ -88,7 +88,7 @@ def test_fused_kernels_write_the_same_bytes(kind, dtype, inplace, chunk_bytes, s
 def test_the_kernels_run_when_on(monkeypatch):
     from minigist.layers import fused_kernels
     calls = []
-    for name in ("center_square", "batchnorm_input_grad", "scale_bias", "scale_grads", "relu_grad"):
+    for name in ("center_square", "batchnorm_input_grad", "scale_bias", "scale_grads", "relu", "relu_grad"):
         original = getattr(fused_kernels, name)
         monkeypatch.setattr(fused_kernels, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     rng = np.random.default_rng(32)
@@ -102,7 +102,7 @@ def test_the_kernels_run_when_on(monkeypatch):
         assert len(calls) == before
         with jit.use_kernels(True):
             run(layer, x, gy, params, False)
-    assert calls == ["center_square", "batchnorm_input_grad", "scale_bias", "scale_grads", "relu_grad"]
+    assert calls == ["center_square", "batchnorm_input_grad", "scale_bias", "scale_grads", "relu", "relu_grad"]
 
 
 def _conv_modes():

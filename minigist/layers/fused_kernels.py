@@ -91,6 +91,20 @@ if numba is not None:
                         gx[a, ch, i] = g * w
 
     @_jit
+    def relu(x, y, nil, same):
+        """y = max(x, 0) as numpy's maximum(x, 0) gives it: x where x > 0 or x is NaN (its
+        payload kept), else +0 (so -0 becomes +0). Flat arrays; `same`: y is x, and only
+        the elements that change are written."""
+        if same:
+            for i in range(x.size):
+                if not (x[i] > 0 or x[i] != x[i]):
+                    x[i] = nil
+        else:
+            for i in range(x.size):
+                v = x[i]
+                y[i] = v if (v > 0 or v != v) else nil
+
+    @_jit
     def relu_grad(y, gy, gx, one, nil, same):
         """gx = gy * (y > 0), the mask as the ufunc path multiplies it (1 or 0 in gy's
         dtype). Flat arrays; `same`: gx is gy."""
