@@ -1,13 +1,15 @@
 """Time a training step with and without Gist on the CPU-size models, side by side in one run.
 
     python bench/gist_overhead.py [--batch-size 32] [--repeats 7] [--models vgg_small,resnet20]
+                                  [--conv im2col|onednn]
 
 For each model the nets (gist none, lossless, lossy fp16, all fp16) are built once, warmed up,
 then timed in alternation (none, lossless, ..., none, lossless, ...) so that machine noise hits
 every mode alike; the reported figure is the median step time and its ratio to `none`. With
 numba installed the codecs run their compiled kernels, and one more column times `all fp16` with
 the codecs on their ufunc path (minigist.codecs.kernels.use_codec_kernels(False); MAX pooling's
-kernels stay on, as in the other columns) in the same run.
+kernels stay on, as in the other columns) in the same run. `--conv` picks the convolution
+engine of every net (im2col, the default, or onednn).
 """
 import argparse
 import os
@@ -34,10 +36,12 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--models", default="vgg_small,resnet20,inception_small")
+    parser.add_argument("--conv", default="im2col", choices=list(minigist.CONV_ENGINES),
+                        help="the convolution engine of every net (default im2col)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print("codecs: " + (f"compiled kernels (numba {kernels.numba.__version__})" if kernels.available()
-                        else "ufunc path (numba not installed)"))
+                        else "ufunc path (numba not installed)") + f"; convolutions: {args.conv}")
     print(f"| model (batch {args.batch_size}) | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in CONFIGS) + " |")
     print("|---|" + "---:|" * len(CONFIGS))
     for name in args.models.split(","):
@@ -46,7 +50,7 @@ def main():
                     rng.integers(0, 10, args.batch_size)) for _ in range(2)]
         nets = {}
         for label, gist, dpr in CONFIGS:
-            net = minigist.Net(path, batch_size=args.batch_size, seed=0, gist=gist, dpr=dpr)
+            net = minigist.Net(path, batch_size=args.batch_size, seed=0, gist=gist, dpr=dpr, conv=args.conv)
             net.calibrate(batches)
             net.train_step(*batches[0])   # warm-up: first touch of the arena
             nets[label] = net
