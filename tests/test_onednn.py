@@ -220,3 +220,24 @@ def test_train_py_without_the_library_is_a_one_line_error(tmp_path):
     assert result.stderr.strip().count("\n") == 0
     assert "--conv onednn:" in result.stderr and "libdnnl.so.3" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_train_py_resumes_bit_for_bit_and_keeps_its_engine(tmp_path):
+    """An interrupted --conv onednn run resumes to the weights of an uninterrupted one, and a
+    resume cannot switch engines (the bits would differ)."""
+    from test_train import TINY, final_weights, one_line_error, run_cli
+    model = tmp_path / "tiny.prototxt"
+    model.write_text(TINY)
+    common = ["--model", model, "--data", "synthetic", "--holdout", 0.02, "--train-eval-size", 0,
+              "--eval-every", 0, "--conv", "onednn", "--threads", 2]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    result = run_cli(*common, "--iters", 6, "--checkpoint", whole)
+    assert result.returncode == 0, result.stderr
+    assert "conv: oneDNN 3." in result.stdout and "on 1 thread during the steps" in result.stdout
+    assert run_cli(*common, "--iters", 3, "--checkpoint", part).returncode == 0
+    resumed = run_cli("--checkpoint", part, "--resume", "--iters", 6, "--threads", 2)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = final_weights(whole), final_weights(part)
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+    one_line_error(run_cli("--checkpoint", part, "--resume", "--conv", "im2col"), "--conv")
