@@ -200,8 +200,9 @@ class _Primitive:
         _check(self.lib.dnnl_primitive_execute(self.handle, stream, len(self.args), self.args), "execution")
 
 
-def _pointer(array):
-    return _void_p(array.ctypes.data)
+def _weights_shape(o, c, g, kernel):
+    """The weights' dims as oneDNN reads them: OIHW, or GOIHW with groups."""
+    return (o, c) + tuple(kernel) if g == 1 else (g, o // g, c // g) + tuple(kernel)
 
 
 class ConvPrimitives:
@@ -212,19 +213,17 @@ class ConvPrimitives:
     def __init__(self, in_shape, num_output, group, kernel, stride, pad, dilation, out_hw, bias, bias_grad):
         lib, engine, stream, attr = _runtime()
         self.lib, self.stream = lib, stream
+        self._handles = {}      # memory object -> the address it points at
         n, c, h, w = in_shape
         o, g = num_output, group
         oh, ow = out_hw
         x_md = _plain_md(lib, (n, c, h, w), _TAG_ABCD)
         y_md = _plain_md(lib, (n, o, oh, ow), _TAG_ABCD)
-        if g == 1:
-            w_md = _plain_md(lib, (o, c) + tuple(kernel), _TAG_ABCD)
-        else:
-            w_md = _plain_md(lib, (g, o // g, c // g) + tuple(kernel), _TAG_ABCDE)
+        w_md = _plain_md(lib, _weights_shape(o, c, g, kernel), _TAG_ABCD if g == 1 else _TAG_ABCDE)
         b_md = _plain_md(lib, (o,), _TAG_A) if bias else None
         any_x = _plain_md(lib, (n, c, h, w), _TAG_ANY)
         any_y = _plain_md(lib, (n, o, oh, ow), _TAG_ANY)
-        any_w = _plain_md(lib, tuple(w_md_shape(o, c, g, kernel)), _TAG_ANY)
+        any_w = _plain_md(lib, _weights_shape(o, c, g, kernel), _TAG_ANY)
         strides = _Dims(*stride)
         dilates = _Dims(*(d - 1 for d in dilation))
         pad_l = _Dims(*pad)
@@ -302,7 +301,12 @@ class ConvPrimitives:
         return all(self.ops[phase][role].reorder is not None for role in roles)
 
     def _set(self, memory, array):
-        _check(self.lib.dnnl_memory_set_data_handle(memory, _pointer(array)), "data handle")
+        """Point a memory object at an array's bytes; a foreign call only when they moved (a
+        static plan hands the same views every step)."""
+        address = array.ctypes.data
+        if self._handles.get(memory.value) != address:
+            _check(self.lib.dnnl_memory_set_data_handle(memory, _void_p(address)), "data handle")
+            self._handles[memory.value] = address
 
     def _bind(self, phase, arrays, ws):
         scratch = ws.get("scratch")
@@ -310,7 +314,7 @@ class ConvPrimitives:
             op = self.ops[phase][role]
             self._set(op.plain, array)
             if op.reorder is not None:
-                self._set(op.memory, ws[f"{role}_blk" if not (role == "gy_w" and self.gy_shared) else "gy_blk"])
+                self._set(op.memory, ws[f"{role}_blk"])
                 if op.reorder.scratch is not None:
                     self._set(op.reorder.scratch, scratch)
         for primitive in self._primitives(phase):
@@ -360,7 +364,3 @@ class ConvPrimitives:
             self.bwd_data.run(self.stream)
             self._reorder_out("backward", "gx")
         _check(self.lib.dnnl_stream_wait(self.stream), "stream wait")
-
-
-def w_md_shape(o, c, g, kernel):
-    return (o, c) + tuple(kernel) if g == 1 else (g, o // g, c // g) + tuple(kernel)

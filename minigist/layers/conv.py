@@ -1,4 +1,4 @@
-"""Convolution with Caffe's semantics (2-D, NCHW, axis 1), through im2col and GEMM.
+"""Convolution with Caffe's semantics (2-D, NCHW, axis 1), through im2col and GEMM (or oneDNN).
 
 Arrays (x, y, gy, gx, weights) come from the executor; every tensor-sized temporary is a
 declared workspace:
@@ -26,6 +26,10 @@ one sample): it keeps the columns in cache between the copy and the GEMM on a CP
 the workspace (Caffe itself works one sample at a time). Set the instance attribute
 `batch_chunk` (an int) before asking for workspaces to force a chunk size, e.g. the whole
 batch on a GPU; forward and backward take the chunk size from the workspace they are handed.
+
+With `engine = "onednn"` (Net(conv="onednn"), train.py --conv onednn) none of this runs:
+oneDNN's direct kernels do forward, input and weight gradient (minigist/onednn.py), and the
+workspaces are its blocked copies of the operands and its scratchpad, as oneDNN sizes them.
 
 A 1x1 convolution with stride 1 and no padding needs no im2col: x itself is the column
 matrix. It runs per-sample GEMMs (folding the batch cost two transposing copies, measured
