@@ -9,6 +9,7 @@ One arena holds everything: the persistent part (weights, their gradients, momen
 then the per-iteration part, which the training and the evaluation program share because they
 never run at the same time.
 """
+import contextlib
 import os
 import tempfile
 
@@ -18,6 +19,7 @@ from . import blas
 from .backend import get_xp, to_numpy
 from .errors import MinigistError
 from .codecs import GistConfig
+from .codecs import kernels as codec_kernels
 from .executor import SGD, DynamicExecutor, Executor, GistStats, view
 from .gist import apply_gist
 from .fillers import fill
@@ -55,8 +57,10 @@ class Net:
         self.conv = set_conv_engine(self.graphs.values(), conv, self.xp, self.dtype)
         # oneDNN's OpenMP threads take the cores; OpenBLAS's idle threads spin for about 0.1 s
         # after each call and would take them back (resnet20's step: 266 ms with two BLAS
-        # threads, 39 ms with one). Its few BLAS calls run on one thread during a step.
+        # threads, 39 ms with one). Its few BLAS calls run on one thread during a step, and
+        # Gist's codec kernels on the OpenMP threads (numba's OpenMP layer shares them).
         self.blas_threads = 1 if conv == "onednn" else None
+        self.codec_threads = onednn.max_threads() if conv == "onednn" else None
         if update not in UPDATES:
             raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {update!r}")
         self.update = update
@@ -74,6 +78,12 @@ class Net:
         for graph in self.graphs.values():
             for layer in graph.layers:
                 layer.rng = self.rng
+
+    @contextlib.contextmanager
+    def _threads(self):
+        """The BLAS and codec-kernel threads of this net's steps (the process's own outside)."""
+        with blas.threads(self.blas_threads), codec_kernels.threads(self.codec_threads):
+            yield
 
     # ---- construction -------------------------------------------------------------------
     def _build(self, calibrating=False):
@@ -209,13 +219,13 @@ class Net:
     def forward_backward(self, *inputs):
         """Forward and backward on one batch, no update; returns the weighted loss. The weight
         gradients stay readable (`grads()`) only with update="separate"."""
-        with blas.threads(self.blas_threads):
+        with self._threads():
             return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"),
                                                update=False)
 
     def train_step(self, *inputs):
         """One SGD iteration on one batch (data, label); returns the weighted loss."""
-        with blas.threads(self.blas_threads):
+        with self._threads():
             return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
 
     def evaluate(self, *inputs):
@@ -229,7 +239,7 @@ class Net:
                 value = to_numpy(arrays[name])
                 result[blob] = float(value) if value.ndim == 0 else value.copy()
             return result
-        with blas.threads(self.blas_threads):
+        with self._threads():
             return self.executors["eval"].run(self._feeder("eval", inputs), collect)
 
     def report(self):

@@ -112,6 +112,20 @@ def describe():
             f"runtime) from {_state['path']}")
 
 
+def max_threads():
+    """The OpenMP threads oneDNN's kernels run on: omp_get_max_threads() of the OpenMP runtime
+    the library loaded (OMP_NUM_THREADS, else the CPUs); 1 without the library."""
+    if not available():
+        return 1
+    if "threads" not in _state:
+        try:
+            omp = ctypes.CDLL("libgomp.so.1")
+            _state["threads"] = max(1, int(omp.omp_get_max_threads()))
+        except (OSError, AttributeError):
+            _state["threads"] = 1
+    return _state["threads"]
+
+
 def _check(status, what):
     if status != _SUCCESS:
         raise OneDNNError(f"oneDNN {what} failed (status {status})")

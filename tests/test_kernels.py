@@ -5,7 +5,8 @@ The ufunc path is itself checked against numpy's float16 cast, ml_dtypes and a f
 the same tensors and must write the same bytes: every code, and for SSDC the header and every
 used byte of the chosen format. Every test runs with the plain kernels (integer fp16, scalar
 SSDC) and, on a CPU that has the instructions, with the fast ones (fp16 through F16C,
-kernels.HALF; SSDC through AVX-512 compress/expand, kernels.VECTOR).
+kernels.HALF; SSDC through AVX-512 compress/expand, kernels.VECTOR), each on one thread and
+split into parts on three (kernels.threads).
 """
 import os
 import platform
@@ -34,6 +35,16 @@ def kernel_variant(request):
     yield request.param
     kernels.set_vector(previous[0])
     kernels.set_half(previous[1])
+
+
+@pytest.fixture(autouse=True, params=[1, 3], ids=["1 thread", "3 threads"])
+def kernel_threads(request, monkeypatch):
+    """The DPR and SSDC bitmap kernels on one thread, and split into parts of whole 256-element
+    blocks on three (parts of at least 256 elements here, so that small tensors split too):
+    the same bytes either way."""
+    monkeypatch.setattr(kernels, "PARALLEL_MIN", 256)
+    with kernels.threads(request.param):
+        yield request.param
 
 
 def awkward_floats(n, rng=RNG):

@@ -205,6 +205,24 @@ def test_onednn_runs_blas_on_one_thread_during_steps():
     assert seen == [1]
 
 
+def test_onednn_runs_the_codec_kernels_on_its_openmp_threads(monkeypatch):
+    from minigist.codecs import kernels
+    if not kernels.available():
+        pytest.skip("numba is not installed")
+    seen = []
+    original = kernels.dpr_encode_flat
+    monkeypatch.setattr(kernels, "dpr_encode_flat", lambda *args: seen.append(kernels._threads) or original(*args))
+    net = small_net("vgg_small", conv="onednn", gist="lossy")
+    assert net.codec_threads == onednn.max_threads() >= 1
+    net.train_step(*batches(net)[0])
+    assert seen and set(seen) == {onednn.max_threads()}
+    assert kernels._threads == 1          # the process's own setting again after the step
+    seen.clear()
+    plain = small_net("vgg_small", gist="lossy")
+    plain.train_step(*batches(plain)[0])
+    assert seen and set(seen) == {1}
+
+
 def test_onednn_errors():
     with pytest.raises(MinigistError, match="--conv: expected one of im2col, onednn, got 'fast'"):
         small_net("vgg_small", conv="fast")

@@ -143,7 +143,7 @@ class DPR(Codec):
         """Encode the 1-D float32 array src into the first code_units(len(src)) units of codes;
         for fp10 the unused slots of the last word are 0."""
         if kernels.active(xp, src, codes):
-            kernels.dpr_encode(src.view(xp.uint32), codes, kernels.dpr_params(self), self.per)
+            kernels.dpr_encode_flat(src.view(xp.uint32), codes, kernels.dpr_params(self), self.per)
             return
         for c0, c1 in chunks(src.size, self.chunk):
             m = c1 - c0
@@ -164,7 +164,7 @@ class DPR(Codec):
     def decode_flat(self, xp, codes, out, ws):
         """Decode len(out) values from the start of codes into the 1-D float32 array out."""
         if kernels.active(xp, codes, out):
-            kernels.dpr_decode(codes, out.view(xp.uint32), kernels.dpr_params(self), self.per)
+            kernels.dpr_decode_flat(codes, out.view(xp.uint32), kernels.dpr_params(self), self.per)
             return
         for c0, c1 in chunks(out.size, self.chunk):
             m = c1 - c0

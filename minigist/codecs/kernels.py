@@ -30,10 +30,20 @@ load them from the cache, numba's import adds about 0.4 s).
 The bit-packing codecs (mask-1bit, index-{1,2,4}bit, and relu-pool-4bit, whose codes are
 selected in one loop before they are packed) pack and unpack in one loop too. SSDC with fp10
 values (3 per word) stays on the ufunc path.
-The kernels run on one thread: the codecs run between BLAS calls, and OpenBLAS's threads keep
-spinning for a while after each; split over two threads (numba's prange, with the OpenMP and
-the workqueue layers) they made a ResNet-20 step under all + fp16 slower, 1.2x to 4.4x of no
-Gist instead of 1.13x.
+The kernels run on one thread by default: with the im2col convolutions the codecs run between
+BLAS calls, and OpenBLAS's threads keep spinning for a while after each; split over two threads
+(numba's prange, with the OpenMP and the workqueue layers) they made a ResNet-20 step under
+all + fp16 slower, 1.2x to 4.4x of no Gist instead of 1.13x. With `--conv onednn` numpy's BLAS
+runs on one thread and the convolutions on oneDNN's OpenMP threads, which numba's OpenMP layer
+shares: there Net sets `threads` to oneDNN's thread count during its steps, and the DPR (one
+code per word) and SSDC bitmap kernels split a tensor of at least 2 * PARALLEL_MIN elements
+into parts of whole 256-element blocks, one per thread, which write the bytes one thread
+writes (an SSDC part's values start at the non-zeros before it, counted per part first). A
+2 MiB ReLU map's SSDC-fp16 encode then takes 0.116 ms instead of 0.155, its decode 0.059
+instead of 0.093. In six alternating runs of ResNet-20's step under all + fp16 (as a ratio to
+no Gist), two threads won four (1.064-1.093 against 1.113-1.131) and lost two (1.199 against
+1.154 in the machine's slow state, 1.093 against 1.053); Inception-small's three went to
+1.045-1.061 from 1.062-1.069 (bench/README, session 6).
 """
 import contextlib
 
@@ -430,10 +440,9 @@ if numba is not None:
         return np.int64((m + (m >> _U32(8))) & _U32(0x1F))
 
     @_jit
-    def _ssdc_encode_bitmap_vector(u, bitmap, values, nnz, p, rounded):
+    def _ssdc_encode_bitmap_vector(u, bitmap, values, off, end, p, rounded):
         n = u.size
         codes = np.empty(WIDE, values.dtype)
-        off = 0
         for block in range(n // WIDE):
             base = block * WIDE
             for j in range(WIDE):
@@ -445,7 +454,7 @@ if numba is not None:
                 bitmap[base // 8 + 2 * k + 1] = _REVERSED[m >> _U32(8)]
                 off += _popcount16(m)
         tail = n - n % WIDE
-        return _ssdc_encode_bitmap(u[tail:], bitmap[tail // 8:], values, off, nnz, p, rounded)
+        return _ssdc_encode_bitmap(u[tail:], bitmap[tail // 8:], values, off, end, p, rounded)
 
     _COLUMNS = np.arange(WIDE).astype(np.uint8)
 
@@ -468,11 +477,10 @@ if numba is not None:
         return _ssdc_encode_csr(u[tail:], rowptr[tail // WIDE:], cols, values, off, nnz, p, rounded)
 
     @_jit
-    def _ssdc_decode_bitmap_vector(bitmap, values, out_u, p, rounded):
+    def _ssdc_decode_bitmap_vector(bitmap, values, off, out_u, p, rounded):
         n = out_u.size
         codes = np.empty(WIDE, values.dtype)
         masks = np.empty(WIDE // 16, np.uint32)
-        off = 0
         for block in range(n // WIDE):
             base = block * WIDE
             for k in range(WIDE // 16):
@@ -486,6 +494,54 @@ if numba is not None:
         tail = n - n % WIDE
         _ssdc_decode_bitmap(bitmap[tail // 8:], values, off, out_u[tail:], p, rounded)
 
+
+    # ---- the same kernels over parts of a tensor on several threads (`threads`) -------------
+    # Each part is a run of whole 256-element blocks (the last part takes the rest) and
+    # writes exactly the bytes the one-thread kernel writes there: an SSDC part's values go
+    # from the offset the non-zeros before it give (counted first, per part), a bitmap
+    # part's bytes from its first element / 8. numba's OpenMP layer runs the parts on the
+    # OpenMP threads that oneDNN's convolutions use (`--conv onednn`), not on threads of
+    # their own.
+    _pjit = numba.njit(parallel=True, cache=True, nogil=True, boundscheck=False)
+
+    @_jit
+    def _bitmap_count_parts(bitmap, bounds, counts):
+        for k in range(bounds.size - 1):
+            counts[k] = _bitmap_count(bitmap[bounds[k] // 8:], bounds[k + 1] - bounds[k])
+
+    @_pjit
+    def _dpr_encode_parts(u, codes, p, bounds):
+        for k in numba.prange(bounds.size - 1):
+            dpr_encode(u[bounds[k]:bounds[k + 1]], codes[bounds[k]:bounds[k + 1]], p, 1)
+
+    @_pjit
+    def _dpr_decode_parts(codes, out_u, p, bounds):
+        for k in numba.prange(bounds.size - 1):
+            dpr_decode(codes[bounds[k]:bounds[k + 1]], out_u[bounds[k]:bounds[k + 1]], p, 1)
+
+    @_pjit
+    def _ssdc_encode_bitmap_parts(u, bitmap, values, bounds, offs, p, rounded):
+        for k in numba.prange(bounds.size - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            _ssdc_encode_bitmap(u[lo:hi], bitmap[lo // 8:], values, offs[k], offs[k + 1], p, rounded)
+
+    @_pjit
+    def _ssdc_encode_bitmap_vector_parts(u, bitmap, values, bounds, offs, p, rounded):
+        for k in numba.prange(bounds.size - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            _ssdc_encode_bitmap_vector(u[lo:hi], bitmap[lo // 8:], values, offs[k], offs[k + 1], p, rounded)
+
+    @_pjit
+    def _ssdc_decode_bitmap_parts(bitmap, values, out_u, bounds, offs, p, rounded):
+        for k in numba.prange(bounds.size - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            _ssdc_decode_bitmap(bitmap[lo // 8:], values, offs[k], out_u[lo:hi], p, rounded)
+
+    @_pjit
+    def _ssdc_decode_bitmap_vector_parts(bitmap, values, out_u, bounds, offs, p, rounded):
+        for k in numba.prange(bounds.size - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            _ssdc_decode_bitmap_vector(bitmap[lo // 8:], values, offs[k], out_u[lo:hi], p, rounded)
 
     # ---- bit packing (mask-1bit, index-{1,2,4}bit): bytes in numpy.packbits order, the
     # first element in the top bits; a last partial byte has its low bits 0 ----------------
@@ -578,10 +634,82 @@ def set_vector(on):
     return previous
 
 
-def ssdc_encode_bitmap(u, bitmap, values, nnz, p, rounded):
-    """SSDC's bitmap format (see _ssdc_encode_bitmap); nnz: u's non-zeros."""
-    if _vector:
-        _ssdc_encode_bitmap_vector(u, bitmap, values, nnz, p, rounded)
+PARALLEL_MIN = 1 << 16      # elements per part at least: a parallel region costs microseconds
+_PART_ALIGN = 256           # parts are whole 256-element blocks (whole csr rows, whole bitmap bytes)
+_threads = 1
+
+
+def set_threads(count):
+    """Run the DPR (one code per word) and SSDC bitmap kernels on `count` threads, each on a
+    part of the tensor, for tensors of at least 2 * PARALLEL_MIN elements; the bytes are the
+    same as on one. Returns the previous count. Net(conv="onednn") sets it to oneDNN's OpenMP
+    threads during its steps: with the im2col engine OpenBLAS's threads keep spinning between
+    calls and a second thread made the step slower (see the module docstring)."""
+    global _threads
+    previous, _threads = _threads, max(1, int(count))
+    return previous
+
+
+@contextlib.contextmanager
+def threads(count):
+    """The codec kernels on `count` threads inside the block (None: as they are)."""
+    previous = set_threads(count) if count is not None else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            set_threads(previous)
+
+
+def _bounds(n):
+    """The parts of an n-element tensor as an int64 array of bounds, or None for one part."""
+    parts = min(_threads, n // PARALLEL_MIN)
+    if parts <= 1:
+        return None
+    step = -(-n // parts)
+    step = -(-step // _PART_ALIGN) * _PART_ALIGN
+    return np.array([min(k * step, n) for k in range(parts)] + [n], np.int64)
+
+
+def count_nonzero(u):
+    """(u's non-zeros, split): `split` is None, or with several threads the parts' bounds and
+    value offsets, which ssdc_encode_bitmap takes instead of counting again."""
+    bounds = _bounds(u.size)
+    if bounds is None:
+        return int(np.count_nonzero(u)), None
+    offsets = np.zeros(bounds.size, np.int64)
+    for k in range(bounds.size - 1):     # numpy's counting loop is SIMD: faster than a kernel's
+        offsets[k + 1] = offsets[k] + np.count_nonzero(u[bounds[k]:bounds[k + 1]])
+    return int(offsets[-1]), (bounds, offsets)
+
+
+def dpr_encode_flat(u, codes, p, per):
+    """dpr_encode, on several threads where `threads` and the size allow (one code per unit)."""
+    bounds = _bounds(u.size) if per == 1 else None
+    if bounds is None:
+        dpr_encode(u, codes, p, per)
+    else:
+        _dpr_encode_parts(u, codes, p, bounds)
+
+
+def dpr_decode_flat(codes, out_u, p, per):
+    """dpr_decode, on several threads where `threads` and the size allow (one code per unit)."""
+    bounds = _bounds(out_u.size) if per == 1 else None
+    if bounds is None:
+        dpr_decode(codes, out_u, p, per)
+    else:
+        _dpr_decode_parts(codes, out_u, p, bounds)
+
+
+def ssdc_encode_bitmap(u, bitmap, values, nnz, p, rounded, split=None):
+    """SSDC's bitmap format (see _ssdc_encode_bitmap); nnz: u's non-zeros; `split`: from
+    count_nonzero (parts on several threads), or None (one)."""
+    if split is not None:
+        bounds, offsets = split
+        kernel = _ssdc_encode_bitmap_vector_parts if _vector else _ssdc_encode_bitmap_parts
+        kernel(u, bitmap, values, bounds, offsets, p, rounded)
+    elif _vector:
+        _ssdc_encode_bitmap_vector(u, bitmap, values, 0, nnz, p, rounded)
     else:
         _ssdc_encode_bitmap(u, bitmap, values, 0, nnz, p, rounded)
 
@@ -601,10 +729,20 @@ def _corrupt(what, nnz):
 
 def ssdc_decode_bitmap(bitmap, values, out_u, nnz, p, rounded):
     """Checks that the bitmap holds nnz set bits first: the kernels read one value per set bit."""
+    bounds = _bounds(out_u.size)
+    if bounds is not None:
+        offsets = np.zeros(bounds.size, np.int64)
+        _bitmap_count_parts(bitmap, bounds, offsets[1:])
+        np.cumsum(offsets, out=offsets)
+        if offsets[-1] != nnz:
+            raise _corrupt("bitmap", nnz)
+        kernel = _ssdc_decode_bitmap_vector_parts if _vector else _ssdc_decode_bitmap_parts
+        kernel(bitmap, values, out_u, bounds, offsets, p, rounded)
+        return
     if _bitmap_count(bitmap, out_u.size) != nnz:
         raise _corrupt("bitmap", nnz)
     if _vector:
-        _ssdc_decode_bitmap_vector(bitmap, values, out_u, p, rounded)
+        _ssdc_decode_bitmap_vector(bitmap, values, 0, out_u, p, rounded)
     else:
         _ssdc_decode_bitmap(bitmap, values, 0, out_u, p, rounded)
 

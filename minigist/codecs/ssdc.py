@@ -203,10 +203,14 @@ class SSDC(Codec):
             raise TypeError(f"SSDC encodes float32, got {x.dtype}")
         u = x.reshape(-1).view(xp.uint32)
         n = u.size
-        nnz = int(xp.count_nonzero(u))
-        return self._encode(xp, u, nnz, enc, ws), nnz / max(1, n)
+        split = None
+        if self._kernel_serves(xp, u, enc["data"]):
+            nnz, split = kernels.count_nonzero(u)     # per part, where the kernels run on threads
+        else:
+            nnz = int(xp.count_nonzero(u))
+        return self._encode(xp, u, nnz, enc, ws, split), nnz / max(1, n)
 
-    def _encode(self, xp, u, nnz, enc, ws):
+    def _encode(self, xp, u, nnz, enc, ws, split=None):
         n = u.size
         if nnz > min(self.capacity, n):
             return False
@@ -217,7 +221,7 @@ class SSDC(Codec):
             if fmt == "csr":
                 kernels.ssdc_encode_csr(u, v["rowptr"], v["cols"], v["values"], nnz, *self._kernel_args)
             else:
-                kernels.ssdc_encode_bitmap(u, v["bitmap"], v["values"], nnz, *self._kernel_args)
+                kernels.ssdc_encode_bitmap(u, v["bitmap"], v["values"], nnz, *self._kernel_args, split=split)
         else:
             self._store(xp, u, fmt, v, ws)
         data[0:1].fill(FORMAT_IDS[fmt])
