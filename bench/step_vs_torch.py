@@ -3,7 +3,7 @@
     python bench/step_vs_torch.py [--models vgg_small,resnet20,inception_small] [--batch-size 32]
                                   [--repeats 11] [--warmup 2] [--block 4] [--settle 0.3]
                                   [--threads 2] [--blas-threads N] [--lr 0.01] [--no-gist]
-                                  [--float64-steps 4]
+                                  [--float64-steps 4] [--conv im2col,onednn]
 
 PyTorch (CPU) is needed for this bench only: `pip install torch`; threadpoolctl, if installed,
 sets (--blas-threads, by default --threads) the BLAS threads numpy uses; without it they are
@@ -11,7 +11,9 @@ left as they are (OPENBLAS_NUM_THREADS sets them). The report names numpy's BLAS
 and threads (minigist.blas.describe): an OPENBLAS_CORETYPE in the environment can force older
 kernels than the CPU runs (Haswell's AVX2 on an AVX-512 CPU halves the GEMM rate).
 
-For each model the equivalent torch.nn module is built from minigist's TRAIN graph (layer by
+minigist runs once per convolution engine in --conv (im2col, minigist's own; onednn, oneDNN's
+kernels, where the library is installed: both by default), each net in the same alternation
+against the same torch steps, each with its own rows. For each model the equivalent torch.nn module is built from minigist's TRAIN graph (layer by
 layer, over the same blob names) and given a copy of minigist's initial weights; both sides
 train with SGD (momentum 0.9, weight decay 5e-4, the same lr and per-parameter lr_mult /
 decay_mult) on the same two batches in turn. After `--warmup` steps each, the two are timed in
