@@ -40,11 +40,12 @@ shares: there Net sets `threads` to oneDNN's thread count during its steps, and 
 code per word) and SSDC bitmap kernels split a tensor of at least 2 * PARALLEL_MIN elements
 into parts of whole 256-element blocks, one per thread, which write the bytes one thread
 writes (an SSDC part's values start at the non-zeros before it, counted per part first). A
-2 MiB ReLU map's SSDC-fp16 encode, count included, then takes 0.082 ms instead of 0.123, its
-decode 0.061 instead of 0.098. In six alternating runs of ResNet-20's step under all + fp16 (as a ratio to
-no Gist), two threads won four (1.064-1.093 against 1.113-1.131) and lost two (1.199 against
-1.154 in the machine's slow state, 1.093 against 1.053); Inception-small's three went to
-1.045-1.061 from 1.062-1.069 (bench/README, session 6).
+2 MiB ReLU map's SSDC-fp16 encode, count included, takes 0.070 ms on two threads against
+0.123 on one, its decode 0.061 against 0.098. In six alternating runs of ResNet-20's step
+under all + fp16 (as a ratio to no Gist, before the counting kernel), two threads won four
+(1.064-1.093 against 1.113-1.131) and lost two (1.199 against 1.154 in the machine's slow
+state, 1.093 against 1.053); Inception-small's three went to 1.045-1.061 from 1.062-1.069
+(bench/README, session 6).
 """
 import contextlib
 
@@ -534,6 +535,11 @@ if numba is not None:
             counts[k] = _bitmap_count(bitmap[bounds[k] // 8:], bounds[k + 1] - bounds[k])
 
     @_pjit
+    def _count_parts_threaded(u, bounds, counts):
+        for k in numba.prange(bounds.size - 1):
+            counts[k] = _count(u[bounds[k]:bounds[k + 1]])
+
+    @_pjit
     def _dpr_encode_parts(u, codes, p, bounds):
         for k in numba.prange(bounds.size - 1):
             dpr_encode(u[bounds[k]:bounds[k + 1]], codes[bounds[k]:bounds[k + 1]], p, 1)
@@ -701,7 +707,7 @@ def count_nonzero(u):
     bounds = _bounds(u.size)
     parts = bounds if bounds is not None else np.array([0, u.size], np.int64)
     offsets = np.zeros(parts.size, np.int64)
-    _count_parts(u, parts, offsets[1:])
+    (_count_parts if bounds is None else _count_parts_threaded)(u, parts, offsets[1:])
     np.cumsum(offsets, out=offsets)
     return int(offsets[-1]), (None if bounds is None else (bounds, offsets))
 
