@@ -487,7 +487,7 @@ def restore_state(net, values, path):
 
 # the configuration a checkpoint records; a resumed run takes it for the flags it does not give
 RESUME_KEYS = ("model", "data", "holdout", "input_size", "batch_size", "crop_pad", "flip", "lr", "lr_step",
-               "lr_gamma", "momentum", "weight_decay", "bn_average", "seed", "gist", "dpr", "conv")
+               "lr_gamma", "momentum", "weight_decay", "bn_average", "seed", "gist", "dpr", "conv", "threads")
 
 
 def apply_checkpoint_config(args, given, meta, folder):
@@ -599,8 +599,16 @@ def run(args, given):
     resumed = read_checkpoint(args.checkpoint) if args.resume else None
     if args.resume and resumed is None:
         print(f"--resume: no checkpoint in {args.checkpoint} yet: starting from scratch")
+    if "threads" not in given:   # what runs: OPENBLAS_NUM_THREADS may have chosen it
+        args.threads = blas.get_threads() or args.threads
     if resumed is not None:
+        threads = args.threads
         apply_checkpoint_config(args, given, resumed[0], args.checkpoint)
+        if args.threads != threads:
+            # BLAS's and oneDNN's float results depend on their thread counts: run the
+            # checkpoint's, so that the resumed run ends with the uninterrupted run's bits
+            blas.set_threads(args.threads)
+            onednn.set_threads(args.threads)
     path = resolve_model(args.model)
     if args.summary:
         graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
@@ -692,7 +700,7 @@ def run(args, given):
         print(f"blas: {blas.describe()}" + ("; on 1 thread during the steps (--conv onednn)"
                                             if net.blas_threads == 1 else ""))
     if args.conv == "onednn":
-        print(f"conv: {onednn.describe()}, {os.environ.get('OMP_NUM_THREADS', os.cpu_count())} OpenMP threads")
+        print(f"conv: {onednn.describe()}, OpenMP threads: {onednn.max_threads()}")
     if args.gist != "none":
         print(f"codecs: {codec_kernels.describe(net.xp)}")
     schedule = f" x{args.lr_gamma:g} every {args.lr_step:g} epochs" if args.lr_step else ""

@@ -612,7 +612,7 @@ def main():
     print(f"machine: {os.cpu_count()} CPUs; numpy {np.__version__}, BLAS: {blas.describe()}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"minigist convolution engines: {', '.join(args.conv)}"
-          + (f"; {onednn.describe()}, {os.environ.get('OMP_NUM_THREADS', os.cpu_count())} OpenMP threads, "
+          + (f"; {onednn.describe()}, OpenMP threads: {onednn.max_threads()}, "
              "numpy's BLAS on 1 thread during its steps" if "onednn" in args.conv else ""))
     print(f"batch {args.batch_size}, float32, SGD lr {args.lr} momentum 0.9 weight decay 5e-4; "
           f"{args.warmup} warm-up + {args.repeats} timed steps per side, in alternating blocks of 1 untimed + "

@@ -112,18 +112,31 @@ def describe():
             f"runtime) from {_state['path']}")
 
 
+def _openmp():
+    """The GNU OpenMP runtime the library runs on (the process has one libgomp.so.1), or None."""
+    if "omp" not in _state:
+        try:
+            _state["omp"] = ctypes.CDLL("libgomp.so.1") if available() else None
+        except OSError:
+            _state["omp"] = None
+    return _state["omp"]
+
+
 def max_threads():
     """The OpenMP threads oneDNN's kernels run on: omp_get_max_threads() of the OpenMP runtime
-    the library loaded (OMP_NUM_THREADS, else the CPUs); 1 without the library."""
-    if not available():
-        return 1
-    if "threads" not in _state:
-        try:
-            omp = ctypes.CDLL("libgomp.so.1")
-            _state["threads"] = max(1, int(omp.omp_get_max_threads()))
-        except (OSError, AttributeError):
-            _state["threads"] = 1
-    return _state["threads"]
+    the library loaded (OMP_NUM_THREADS, else the CPUs, unless set_threads changed it); 1
+    without the library."""
+    omp = _openmp()
+    return max(1, int(omp.omp_get_max_threads())) if omp is not None else 1
+
+
+def set_threads(count):
+    """Run oneDNN's kernels on `count` OpenMP threads from now on (omp_set_num_threads on the
+    calling thread). Call it before the primitives are made: oneDNN splits the work by the
+    thread count, and its float results depend on it."""
+    omp = _openmp()
+    if omp is not None:
+        omp.omp_set_num_threads(int(count))
 
 
 def _check(status, what):

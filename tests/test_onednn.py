@@ -241,8 +241,9 @@ def test_train_py_without_the_library_is_a_one_line_error(tmp_path):
 
 
 def test_train_py_resumes_bit_for_bit_and_keeps_its_engine(tmp_path):
-    """An interrupted --conv onednn run resumes to the weights of an uninterrupted one, and a
-    resume cannot switch engines (the bits would differ)."""
+    """An interrupted --conv onednn --threads 2 run resumes (with neither flag: the
+    checkpoint's engine and thread count) to the weights of an uninterrupted one; a resume
+    cannot switch engines or thread counts (the bits would differ)."""
     from test_train import TINY, final_weights, one_line_error, run_cli
     model = tmp_path / "tiny.prototxt"
     model.write_text(TINY)
@@ -253,9 +254,10 @@ def test_train_py_resumes_bit_for_bit_and_keeps_its_engine(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "conv: oneDNN 3." in result.stdout and "on 1 thread during the steps" in result.stdout
     assert run_cli(*common, "--iters", 3, "--checkpoint", part).returncode == 0
-    resumed = run_cli("--checkpoint", part, "--resume", "--iters", 6, "--threads", 2)
+    resumed = run_cli("--checkpoint", part, "--resume", "--iters", 6)
     assert resumed.returncode == 0, resumed.stderr
     a, b = final_weights(whole), final_weights(part)
     for key in a:
         assert np.array_equal(a[key], b[key]), key
     one_line_error(run_cli("--checkpoint", part, "--resume", "--conv", "im2col"), "--conv")
+    one_line_error(run_cli("--checkpoint", part, "--resume", "--threads", 1), "--threads")
