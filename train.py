@@ -217,9 +217,11 @@ def make_parser():
     group.add_argument("--seed", type=int, default=0,
                        help="seed for weights, data order, augmentation and dropout (default 0)")
     group.add_argument("--threads", type=positive_int, default=1,
-                       help="BLAS threads on the CPU (default 1, unless OPENBLAS_NUM_THREADS is set: "
-                            "on a small machine shared with other work a multi-threaded BLAS spin-waits "
-                            "and can be many times slower)")
+                       help="CPU threads: numpy's BLAS threads and, with --conv onednn, oneDNN's OpenMP "
+                            "threads (default 1, unless OPENBLAS_NUM_THREADS is set: on a small machine "
+                            "shared with other work a multi-threaded BLAS spin-waits and can be many times "
+                            "slower; --conv onednn runs BLAS on one thread during its steps whatever this "
+                            "says). Part of a checkpoint's configuration: the float results depend on it")
     group.add_argument("--device", default="cpu", choices=list(minigist.backend.DEVICES),
                        help="cpu, gpu (CuPy) or auto (GPU when one is usable); default cpu")
     group.add_argument("--conv", default="im2col", choices=list(minigist.CONV_ENGINES),
