@@ -227,7 +227,7 @@ def make_parser():
     group.add_argument("--conv", default="im2col", choices=list(minigist.CONV_ENGINES),
                        help="the CPU convolution engine: im2col (minigist's own, numpy + BLAS; the "
                             "default) or onednn (oneDNN's direct kernels through ctypes, float32, "
-                            "1.5-3x faster: pip install minigist[fast]; with --threads N it runs N "
+                            "a step 1.4-2x faster: pip install minigist[fast]; with --threads N it runs N "
                             "OpenMP threads and numpy's BLAS on one)")
     group = parser.add_argument_group("memory")
     group.add_argument("--alloc", default="static", choices=list(MODES),
