@@ -3,6 +3,8 @@
 Nothing here imports cupy unless a GPU is asked for (or `auto` looks for one), so the CPU
 path runs where cupy is not installed.
 """
+import contextlib
+
 import numpy
 
 from .errors import MinigistError
@@ -34,6 +36,19 @@ def get_xp(device="cpu"):
 
 def is_gpu(xp):
     return xp is not numpy
+
+
+@contextlib.contextmanager
+def scoped(setter, value):
+    """`setter(value)` inside the block and the setting it returns (the previous one) put back
+    after; None: nothing changes. For the process-wide thread switches (minigist.blas,
+    minigist.codecs.kernels), each a `set_...(value)` that returns the previous value or None."""
+    previous = setter(value) if value is not None else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            setter(previous)
 
 
 def to_numpy(array):

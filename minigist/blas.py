@@ -7,11 +7,12 @@ names others (some machines set it to work around old OpenBLAS builds), so the l
 kernels run and whether the environment chose them. numpy's OpenBLAS is asked through ctypes
 (Linux), without threadpoolctl.
 """
-import contextlib
 import ctypes
 import os
 
 import numpy  # noqa: F401  (loads numpy's BLAS, which the functions below inspect)
+
+from .backend import scoped
 
 
 _handle = []
@@ -101,15 +102,9 @@ def set_threads(count):
     return previous
 
 
-@contextlib.contextmanager
 def threads(count):
-    """OpenBLAS on `count` threads inside the block (None: leave it as it is)."""
-    previous = set_threads(count) if count is not None else None
-    try:
-        yield
-    finally:
-        if previous is not None:
-            set_threads(previous)
+    """OpenBLAS on `count` threads inside a `with` block (None: leave it as it is)."""
+    return scoped(set_threads, count)
 
 
 def describe():

@@ -271,22 +271,22 @@ class ConvPrimitives:
         self.bwd_data = _Primitive(lib, bwd_data)
         self.bwd_weights = _Primitive(lib, bwd_weights)
         f, d, wt = self.fwd, self.bwd_data, self.bwd_weights
+        # bwd-weights reads gy in bwd-data's layout when the two agree: one reorder, not two
+        self.gy_shared = lib.dnnl_memory_desc_equal(d.md(_QUERY_DIFF_DST_MD), wt.md(_QUERY_DIFF_DST_MD)) == 1
+        gy = _Operand(lib, engine, attr, y_md, d.md(_QUERY_DIFF_DST_MD), True)
         self.ops = {
             "forward": {"x": _Operand(lib, engine, attr, x_md, f.md(_QUERY_SRC_MD), True),
                         "w": _Operand(lib, engine, attr, w_md, f.md(_QUERY_WEIGHTS_MD), True),
                         "y": _Operand(lib, engine, attr, y_md, f.md(_QUERY_DST_MD), False)},
-            "backward": {"gy": _Operand(lib, engine, attr, y_md, d.md(_QUERY_DIFF_DST_MD), True),
+            "backward": {"gy": gy,
                          "w": _Operand(lib, engine, attr, w_md, d.md(_QUERY_WEIGHTS_MD), True),
                          "gx": _Operand(lib, engine, attr, x_md, d.md(_QUERY_DIFF_SRC_MD), False),
                          "x": _Operand(lib, engine, attr, x_md, wt.md(_QUERY_SRC_MD), True),
-                         "gy_w": _Operand(lib, engine, attr, y_md, wt.md(_QUERY_DIFF_DST_MD), True),
+                         "gy_w": gy if self.gy_shared else _Operand(lib, engine, attr, y_md,
+                                                                    wt.md(_QUERY_DIFF_DST_MD), True),
                          "gw": _Operand(lib, engine, attr, w_md, wt.md(_QUERY_DIFF_WEIGHTS_MD), False)},
         }
-        # bwd-weights reads gy in bwd-data's layout when the two agree: one reorder, not two
         backward = self.ops["backward"]
-        self.gy_shared = lib.dnnl_memory_desc_equal(d.md(_QUERY_DIFF_DST_MD), wt.md(_QUERY_DIFF_DST_MD)) == 1
-        if self.gy_shared:
-            backward["gy_w"] = backward["gy"]
         self.bias_memory = {}
         for role, present in (("b", bias), ("gb", bias and bias_grad)):
             if present:
@@ -310,12 +310,22 @@ class ConvPrimitives:
     def _primitives(self, phase):
         return [self.fwd] if phase == "forward" else [self.bwd_data, self.bwd_weights]
 
-    def workspace(self, phase):
+    def workspace(self, phase, weight_grad=True, input_grad=True):
         """{name: bytes}: each blocked copy (`<role>_blk`) and the scratchpad the kernels and
-        reorders of `phase` share (they run one after another)."""
+        reorders of `phase` share (they run one after another); in backward only the copies
+        of the gradients that are computed (`weight_grad`: dW, `input_grad`: gx)."""
         operands = self.ops[phase]
-        sizes = {f"{role}_blk": op.blocked_bytes for role, op in operands.items()
-                 if op.blocked_bytes and not (role == "gy_w" and self.gy_shared)}
+        roles = set(operands)
+        if phase == "backward":   # backward copies gy for either gradient
+            roles = set()
+            if weight_grad:
+                roles |= {"gy", "gy_w", "x", "gw"}
+            if input_grad:
+                roles |= {"gy", "w", "gx"}
+            if self.gy_shared:
+                roles.discard("gy_w")
+        sizes = {f"{role}_blk": operands[role].blocked_bytes for role in operands
+                 if role in roles and operands[role].blocked_bytes}
         scratch = [p.scratch_bytes for p in self._primitives(phase)]
         scratch += [op.reorder.scratch_bytes for op in operands.values() if op.reorder is not None]
         if max(scratch):
@@ -348,21 +358,21 @@ class ConvPrimitives:
             if primitive.scratch is not None:
                 self._set(primitive.scratch, scratch)
 
-    def _reorder_in(self, phase, role):
+    def _reorder(self, phase, role):
+        """Copy the operand into its blocked copy, or the result out of it (the direction the
+        reorder was made for); nothing where the primitive reads the plain array."""
         op = self.ops[phase][role]
         if op.reorder is not None:
             op.reorder.run(self.stream)
-
-    _reorder_out = _reorder_in
 
     def forward(self, x, weight, bias, y, ws):
         self._bind("forward", {"x": x, "w": weight, "y": y}, ws)
         if bias is not None:
             self._set(self.bias_memory["b"], bias)
         for role in ("x", "w"):
-            self._reorder_in("forward", role)
+            self._reorder("forward", role)
         self.fwd.run(self.stream)
-        self._reorder_out("forward", "y")
+        self._reorder("forward", "y")
         _check(self.lib.dnnl_stream_wait(self.stream), "stream wait")
 
     def backward(self, x, weight, gy, gx, gw, gb, ws):
@@ -377,17 +387,17 @@ class ConvPrimitives:
             if not self.gy_shared:
                 arrays["gy_w"] = gy
         self._bind("backward", arrays, ws)
-        self._reorder_in("backward", "gy")
+        self._reorder("backward", "gy")
         if gw is not None:
             if not self.gy_shared:
-                self._reorder_in("backward", "gy_w")
+                self._reorder("backward", "gy_w")
             if "gb" in self.bias_memory:
                 self._set(self.bias_memory["gb"], gb)
-            self._reorder_in("backward", "x")
+            self._reorder("backward", "x")
             self.bwd_weights.run(self.stream)
-            self._reorder_out("backward", "gw")
+            self._reorder("backward", "gw")
         if gx is not None:
-            self._reorder_in("backward", "w")
+            self._reorder("backward", "w")
             self.bwd_data.run(self.stream)
-            self._reorder_out("backward", "gx")
+            self._reorder("backward", "gx")
         _check(self.lib.dnnl_stream_wait(self.stream), "stream wait")

@@ -52,6 +52,7 @@ import contextlib
 import numpy as np
 
 from .. import jit
+from ..backend import scoped
 from ..jit import _host_has, available, numba, set_kernels, use_kernels  # noqa: F401
 
 _codecs_on = True
@@ -680,15 +681,9 @@ def set_threads(count):
     return previous
 
 
-@contextlib.contextmanager
 def threads(count):
-    """The codec kernels on `count` threads inside the block (None: as they are)."""
-    previous = set_threads(count) if count is not None else None
-    try:
-        yield
-    finally:
-        if previous is not None:
-            set_threads(previous)
+    """The codec kernels on `count` threads inside a `with` block (None: as they are)."""
+    return scoped(set_threads, count)
 
 
 def _bounds(n):
@@ -712,22 +707,24 @@ def count_nonzero(u):
     return int(offsets[-1]), (None if bounds is None else (bounds, offsets))
 
 
-def dpr_encode_flat(u, codes, p, per):
-    """dpr_encode, on several threads where `threads` and the size allow (one code per unit)."""
-    bounds = _bounds(u.size) if per == 1 else None
+def _dpr(one, parts, src, dst, p, per, values):
+    """A DPR kernel on one thread, or its parts on several where `threads` and the `values`
+    count allow (one code per unit only: fp10's words hold three)."""
+    bounds = _bounds(values) if per == 1 else None
     if bounds is None:
-        dpr_encode(u, codes, p, per)
+        one(src, dst, p, per)
     else:
-        _dpr_encode_parts(u, codes, p, bounds)
+        parts(src, dst, p, bounds)
+
+
+def dpr_encode_flat(u, codes, p, per):
+    """dpr_encode, on several threads where `threads` and the size allow."""
+    _dpr(dpr_encode, _dpr_encode_parts, u, codes, p, per, u.size)
 
 
 def dpr_decode_flat(codes, out_u, p, per):
-    """dpr_decode, on several threads where `threads` and the size allow (one code per unit)."""
-    bounds = _bounds(out_u.size) if per == 1 else None
-    if bounds is None:
-        dpr_decode(codes, out_u, p, per)
-    else:
-        _dpr_decode_parts(codes, out_u, p, bounds)
+    """dpr_decode, on several threads where `threads` and the size allow."""
+    _dpr(dpr_decode, _dpr_decode_parts, codes, out_u, p, per, out_u.size)
 
 
 def ssdc_encode_bitmap(u, bitmap, values, nnz, p, rounded, split=None):

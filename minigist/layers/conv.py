@@ -319,24 +319,12 @@ class Convolution(Layer):
             wg = _frame_width(self.out_hw[1], qw, dw * (kw - 1))
         return qh, qw, h + dh * (kh - 1), wg
 
-    def _onednn_workspace(self, phase):
-        """oneDNN's blocked copies and scratchpad, as bytes; in backward none for a gradient
-        that is not computed (frozen weights, no gx)."""
-        sizes = self.onednn_primitives().workspace(phase)
-        if phase == "backward":
-            skip = set()
-            if not self.params[0].trained:
-                skip |= {"x_blk", "gy_w_blk", "gw_blk"}
-            if self.gx_needed is not None and not self.gx_needed[0]:
-                skip |= {"w_blk", "gx_blk"}
-                if not self.params[0].trained:
-                    skip.add("gy_blk")
-            sizes = {name: nbytes for name, nbytes in sizes.items() if name not in skip}
-        return {name: TensorDecl((nbytes,), np.uint8) for name, nbytes in sizes.items()}
-
     def workspace(self, phase):
-        if self.engine == "onednn":
-            return self._onednn_workspace(phase)
+        if self.engine == "onednn":   # its blocked copies and scratchpad, as bytes
+            sizes = self.onednn_primitives().workspace(
+                phase, weight_grad=self.params[0].trained,
+                input_grad=self.gx_needed is None or self.gx_needed[0])
+            return {name: TensorDecl((nbytes,), np.uint8) for name, nbytes in sizes.items()}
         n, c, h, w = self.in_shape
         b = self._chunk()
         o, g = self.num_output, self.group
@@ -485,15 +473,13 @@ class Convolution(Layer):
         c = self.in_shape[1]
         oh, ow = self.out_hw
         pix = oh * ow
-        if self.engine == "onednn":
-            if gb is not None and gw is None:   # oneDNN sums gy for gb with the weight gradient
-                xp.sum(gy0.reshape(n, o, pix), axis=(0, 2), out=gb)
-            if gw is not None or gx0 is not None:
-                self.onednn_primitives().backward(x[0] if gw is not None else None, p[0], gy0, gx0, gw, gb, ws)
-            return
-        if gb is not None:
+        onednn = self.engine == "onednn"
+        if gb is not None and not (onednn and gw is not None):   # oneDNN sums it with dW
             xp.sum(gy0.reshape(n, o, pix), axis=(0, 2), out=gb)
         if gw is None and gx0 is None:
+            return
+        if onednn:
+            self.onednn_primitives().backward(x[0] if gw is not None else None, p[0], gy0, gx0, gw, gb, ws)
             return
         weight = p[0].reshape(g, o // g, self.cols)
         gw3 = gw.reshape(g, o // g, self.cols) if gw is not None else None
