@@ -70,3 +70,38 @@ def _host_has(*features):
     from llvmlite import binding
     host = binding.get_host_cpu_features()
     return numba.config.CPU_NAME is None and all(host.get(f, False) for f in features)
+
+
+# F16C's conversions between float32 and IEEE binary16 (vcvtps2ph / vcvtph2ps: LLVM's fptrunc
+# and fpext to half, 8 or 16 lanes per instruction), as uint32 bit patterns: half_from_bits
+# rounds to nearest even; bits_from_half is exact. Their callers fix up NaNs themselves. Without
+# F16C LLVM would lower them to a library call the JIT cannot link (the process aborts), so
+# there they are stand-ins returning 0, for branches that are never taken.
+HALF = _host_has("f16c")
+
+if numba is not None:
+    from llvmlite import ir as _ir
+    from numba.extending import intrinsic as _intrinsic
+
+    if HALF:
+        @_intrinsic
+        def half_from_bits(typingctx, bits):
+            def codegen(context, builder, signature, args):
+                half = builder.fptrunc(builder.bitcast(args[0], _ir.FloatType()), _ir.HalfType())
+                return builder.zext(builder.bitcast(half, _ir.IntType(16)), _ir.IntType(32))
+            return numba.types.uint32(bits), codegen
+
+        @_intrinsic
+        def bits_from_half(typingctx, code):
+            def codegen(context, builder, signature, args):
+                half = builder.bitcast(builder.trunc(args[0], _ir.IntType(16)), _ir.HalfType())
+                return builder.bitcast(builder.fpext(half, _ir.FloatType()), _ir.IntType(32))
+            return numba.types.uint32(code), codegen
+    else:
+        @numba.njit(cache=True)
+        def half_from_bits(bits):
+            return np.uint32(0)
+
+        @numba.njit(cache=True)
+        def bits_from_half(code):
+            return np.uint32(0)

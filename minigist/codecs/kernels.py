@@ -40,8 +40,9 @@ shares: there Net sets `threads` to oneDNN's thread count during its steps, and 
 code per word) and SSDC bitmap kernels split a tensor of at least 2 * PARALLEL_MIN elements
 into parts of whole 256-element blocks, one per thread, which write the bytes one thread
 writes (an SSDC part's values start at the non-zeros before it, counted per part first). A
-2 MiB ReLU map's SSDC-fp16 encode, count included, takes 0.070 ms on two threads against
-0.123 on one, its decode 0.061 against 0.098. In six alternating runs of ResNet-20's step
+2 MiB ReLU map's SSDC-fp16 encode, count included, takes 0.054 ms on two threads against
+0.086 on one, its decode 0.053 against 0.077 (in cache, AVX-512; session 7's register-form
+compress and expand: 0.069 / 0.119 and 0.060 / 0.096 before). In six alternating runs of ResNet-20's step
 under all + fp16 (as a ratio to no Gist, before the counting kernel), two threads won four
 (1.064-1.093 against 1.113-1.131) and lost two (1.199 against 1.154 in the machine's slow
 state, 1.093 against 1.053); Inception-small's three went to 1.045-1.061 from 1.062-1.069
@@ -84,8 +85,19 @@ def describe(xp=np):
     return f"numba {numba.__version__} kernels" + (f" ({', '.join(extras)})" if extras else "")
 
 
+_params = {}
+
+
 def dpr_params(dpr):
-    """The integers a DPR kernel needs, as one tuple (see minigist.codecs.dpr)."""
+    """The integers a DPR kernel needs, as one tuple (see minigist.codecs.dpr); made once per
+    format and F16C setting, since the codecs ask on every call."""
+    key = (dpr.fmt, _half)
+    if key not in _params:
+        _params[key] = _dpr_params(dpr)
+    return _params[key]
+
+
+def _dpr_params(dpr):
     return (dpr.shift, dpr.round_add, int(dpr.has_inf), dpr.clamp if not dpr.has_inf else dpr.inf_code,
             dpr.min_normal_bits, dpr.sign_bit, 31 - dpr.E - dpr.M, 151 - dpr.bias - dpr.M, dpr.M,
             dpr.abs_mask, dpr.special, (127 - dpr.bias) << 23, dpr.E + dpr.M,
@@ -99,7 +111,7 @@ FP32_PARAMS = (0,) * 15    # values kept as float32 bits (SSDC "fp32"): the kern
 # scalar ones; the tests run both); fp16 goes through F16C's conversions where it has them.
 VECTOR = _host_has("avx512f", "avx512bw", "avx512vbmi2")
 _vector = VECTOR
-HALF = _host_has("f16c")
+HALF = jit.HALF
 _half = HALF
 
 
@@ -110,36 +122,12 @@ if numba is not None:
     _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
     _U32 = np.uint32
 
-    # fp16 through the CPU's own conversion (F16C's vcvtps2ph / vcvtph2ps: LLVM's fptrunc and
-    # fpext to half, 8 or 16 lanes per instruction), 5x faster than the integer arithmetic
-    # below for encode, 2.6x for decode. Round to nearest even, subnormals, overflow to Inf and
-    # signed zeros are IEEE's, as in the integer path; NaNs are fixed up to the integer path's
-    # codes (the hardware keeps payloads: encode writes the canonical quiet NaN instead, decode
-    # of a signalling-NaN code keeps it signalling). Without F16C, LLVM would lower the half
-    # conversions to a library call the JIT cannot link (the process aborts), so there the
-    # branch that uses them gets stand-ins instead; it is never taken (p[14] is 0 then).
-    if HALF:
-        @_intrinsic
-        def _half_from_bits(typingctx, bits):
-            def codegen(context, builder, signature, args):
-                half = builder.fptrunc(builder.bitcast(args[0], _ir.FloatType()), _ir.HalfType())
-                return builder.zext(builder.bitcast(half, _ir.IntType(16)), _ir.IntType(32))
-            return numba.types.uint32(bits), codegen
-
-        @_intrinsic
-        def _bits_from_half(typingctx, code):
-            def codegen(context, builder, signature, args):
-                half = builder.bitcast(builder.trunc(args[0], _ir.IntType(16)), _ir.HalfType())
-                return builder.bitcast(builder.fpext(half, _ir.FloatType()), _ir.IntType(32))
-            return numba.types.uint32(code), codegen
-    else:
-        @_jit
-        def _half_from_bits(bits):
-            return _U32(0)
-
-        @_jit
-        def _bits_from_half(code):
-            return _U32(0)
+    # fp16 through the CPU's own conversion where it has F16C (minigist.jit.HALF): 5x faster
+    # than the integer arithmetic below for encode, 2.6x for decode. Round to nearest even,
+    # subnormals, overflow to Inf and signed zeros are IEEE's, as in the integer path; NaNs are
+    # fixed up to the integer path's codes (the hardware keeps payloads: encode writes the
+    # canonical quiet NaN instead, decode of a signalling-NaN code keeps it signalling).
+    _half_from_bits, _bits_from_half = jit.half_from_bits, jit.bits_from_half
 
     @_jit
     def _encode_one(x, p):
@@ -375,87 +363,136 @@ if numba is not None:
 
 
     # ---- SSDC with AVX-512 compress / expand ------------------------------------------------
-    # LLVM's masked.compressstore / masked.expandload intrinsics move the flagged lanes of a
-    # 16-lane vector to (or from) consecutive memory: one instruction per 16 elements on a CPU
-    # with AVX-512 (VBMI2 for 8- and 16-bit lanes), where they make SSDC's bitmap kernels 2-4x
-    # faster than the scalar ones above. Elsewhere LLVM would expand them into scalar code, so
-    # they are used only where the host has those instructions (VECTOR, below).
+    # AVX-512's compress moves the flagged lanes of a vector to its low lanes, in order; expand
+    # spreads consecutive values to the flagged lanes (VBMI2 for 8- and 16-bit lanes). The
+    # kernels below take a whole 512-bit vector of values per instruction (16 fp32 values, 32
+    # fp16, 64 fp8: `lanes`, from the values' dtype) and use the register forms, then store or
+    # load the whole vector: on AMD's Zen cores the memory forms (LLVM's masked.compressstore /
+    # expandload) are microcoded and made a 2 MiB map's fp16 encode 1.6x and its decode 1.4x
+    # as slow. A compressed vector is stored whole, so its lanes past the non-zeros land where
+    # the next vector's go; only near `end` (the next part's first value, or the capacity) do
+    # the memory forms write exactly the non-zeros. Elsewhere than on AVX-512 LLVM would expand
+    # these into scalar code, so they are used only where the host has those instructions
+    # (VECTOR, below).
 
-    def _lanes(context, builder, array_type, array, index):
-        """(pointer to array[index], <16 x dtype> type) for an intrinsic's codegen."""
+    def _vector_type(context, array_type, like_type):
+        """The <lanes x array dtype> vector for values of like_type's dtype (512 bits of them)."""
+        lanes = 512 // like_type.dtype.bitwidth
+        return _ir.VectorType(context.get_data_type(array_type.dtype), lanes), lanes
+
+    def _pointer(context, builder, array_type, array, index, vector):
         data = context.make_array(array_type)(context, builder, array).data
-        element = context.get_data_type(array_type.dtype)
-        return builder.gep(data, [index]), _ir.VectorType(element, 16)
+        return builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
 
-    def _mask(builder, mask):
-        return builder.bitcast(builder.trunc(mask, _ir.IntType(16)), _ir.VectorType(_ir.IntType(1), 16))
+    def _lane_mask(builder, mask, lanes):
+        return builder.bitcast(builder.trunc(mask, _ir.IntType(lanes)), _ir.VectorType(_ir.IntType(1), lanes))
 
-    @_intrinsic
-    def _compress16(typingctx, src, src_index, mask, dst, dst_index):
-        """dst[dst_index:] <- the lanes of src[src_index:src_index + 16] whose bit is set in
-        mask (bit j = lane j), in order; writes popcount(mask) elements."""
-        def codegen(context, builder, signature, args):
-            src_pointer, vector = _lanes(context, builder, signature.args[0], args[0], args[1])
-            dst_pointer, _ = _lanes(context, builder, signature.args[3], args[3], args[4])
-            value = builder.load(builder.bitcast(src_pointer, vector.as_pointer()), align=1)
-            fn = _cgutils.get_or_insert_function(
-                builder.module, _ir.FunctionType(_ir.VoidType(), [vector, dst_pointer.type, _mask(builder, args[2]).type]),
-                f"llvm.masked.compressstore.v16i{vector.element.width}")
-            builder.call(fn, [value, dst_pointer, _mask(builder, args[2])])
-            return context.get_dummy_value()
-        return numba.types.void(src, src_index, mask, dst, dst_index), codegen
+    def _x86(builder, name, vector, lanes, value, mask):
+        """AVX-512's register-form compress or expand of value (zeros in the other lanes)."""
+        fn = _cgutils.get_or_insert_function(
+            builder.module, _ir.FunctionType(vector, [vector, vector, mask.type]),
+            f"llvm.x86.avx512.mask.{name}.v{lanes}i{vector.element.width}")
+        return builder.call(fn, [value, _ir.Constant(vector, None), mask])
 
     @_intrinsic
-    def _expand16(typingctx, src, src_index, mask, dst, dst_index):
-        """dst[dst_index:dst_index + 16] <- src[src_index:] spread to the lanes whose bit is set
-        in mask, 0 elsewhere; reads popcount(mask) elements."""
+    def _lanes_of(typingctx, like):
+        """The lanes of one vector of like's values (a constant)."""
         def codegen(context, builder, signature, args):
-            src_pointer, vector = _lanes(context, builder, signature.args[0], args[0], args[1])
-            dst_pointer, _ = _lanes(context, builder, signature.args[3], args[3], args[4])
-            fn = _cgutils.get_or_insert_function(
-                builder.module, _ir.FunctionType(vector, [src_pointer.type, _mask(builder, args[2]).type, vector]),
-                f"llvm.masked.expandload.v16i{vector.element.width}")
-            value = builder.call(fn, [src_pointer, _mask(builder, args[2]), _ir.Constant(vector, None)])
-            builder.store(value, builder.bitcast(dst_pointer, vector.as_pointer()), align=1)
-            return context.get_dummy_value()
-        return numba.types.void(src, src_index, mask, dst, dst_index), codegen
+            return context.get_constant(numba.types.intp, 512 // signature.args[0].dtype.bitwidth)
+        return numba.types.intp(like), codegen
 
     @_intrinsic
-    def _nonzero16(typingctx, src, src_index):
-        """The 16-bit mask of src[src_index:src_index + 16] != 0 (bit j = element j)."""
+    def _nonzero(typingctx, src, src_index, like):
+        """The mask of src[src_index:src_index + lanes] != 0 (bit j = element j) as a uint64,
+        lanes from like's dtype."""
         def codegen(context, builder, signature, args):
-            pointer, vector = _lanes(context, builder, signature.args[0], args[0], args[1])
-            value = builder.load(builder.bitcast(pointer, vector.as_pointer()), align=1)
+            vector, lanes = _vector_type(context, signature.args[0], signature.args[2])
+            value = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], vector), align=1)
             flags = builder.icmp_unsigned("!=", value, _ir.Constant(vector, None))
-            return builder.zext(builder.bitcast(flags, _ir.IntType(16)), _ir.IntType(32))
-        return numba.types.uint32(src, src_index), codegen
+            return builder.zext(builder.bitcast(flags, _ir.IntType(lanes)), _ir.IntType(64))
+        return numba.types.uint64(src, src_index, like), codegen
 
-    # bit-reversed bytes: the bitmap is in numpy.packbits order (element 0 in the top bit), the
-    # lane masks have element 0 in bit 0
-    _REVERSED = np.array([int(f"{b:08b}"[::-1], 2) for b in range(256)], np.uint32)
-    WIDE = 256             # elements per step of the vector kernels: whole csr rows
+    @_intrinsic
+    def _compress(typingctx, src, src_index, mask, dst, dst_index, like, exact):
+        """dst[dst_index:] <- the lanes of src[src_index:src_index + lanes] whose bit is set in
+        mask, in order. exact False: stores the whole vector (lanes elements, the rest zeros);
+        True: writes popcount(mask) elements only."""
+        def codegen(context, builder, signature, args):
+            vector, lanes = _vector_type(context, signature.args[0], signature.args[5])
+            value = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], vector), align=1)
+            target = _pointer(context, builder, signature.args[3], args[3], args[4], vector)
+            mask = _lane_mask(builder, args[2], lanes)
+            with builder.if_else(_cgutils.as_bool_bit(builder, args[6])) as (exactly, whole):
+                with exactly:
+                    fn = _cgutils.get_or_insert_function(
+                        builder.module, _ir.FunctionType(_ir.VoidType(), [vector, target.type.pointee.element.as_pointer(), mask.type]),
+                        f"llvm.masked.compressstore.v{lanes}i{vector.element.width}")
+                    builder.call(fn, [value, builder.bitcast(target, vector.element.as_pointer()), mask])
+                with whole:
+                    builder.store(_x86(builder, "compress", vector, lanes, value, mask), target, align=1)
+            return context.get_dummy_value()
+        return numba.types.void(src, src_index, mask, dst, dst_index, like, exact), codegen
+
+    @_intrinsic
+    def _expand(typingctx, src, src_index, mask, dst, dst_index, exact):
+        """dst[dst_index:dst_index + lanes] <- src[src_index:] spread to the lanes whose bit is
+        set in mask, 0 elsewhere (lanes from dst's dtype). exact False: loads a whole vector
+        from src; True: reads popcount(mask) elements only."""
+        def codegen(context, builder, signature, args):
+            vector, lanes = _vector_type(context, signature.args[3], signature.args[3])
+            source = _pointer(context, builder, signature.args[0], args[0], args[1], vector)
+            target = _pointer(context, builder, signature.args[3], args[3], args[4], vector)
+            mask = _lane_mask(builder, args[2], lanes)
+            with builder.if_else(_cgutils.as_bool_bit(builder, args[5])) as (exactly, whole):
+                with exactly:
+                    element = builder.bitcast(source, vector.element.as_pointer())
+                    fn = _cgutils.get_or_insert_function(
+                        builder.module, _ir.FunctionType(vector, [element.type, mask.type, vector]),
+                        f"llvm.masked.expandload.v{lanes}i{vector.element.width}")
+                    builder.store(builder.call(fn, [element, mask, _ir.Constant(vector, None)]), target, align=1)
+                with whole:
+                    value = builder.load(source, align=1)
+                    builder.store(_x86(builder, "expand", vector, lanes, value, mask), target, align=1)
+            return context.get_dummy_value()
+        return numba.types.void(src, src_index, mask, dst, dst_index, exact), codegen
+
+    @_intrinsic
+    def _popcount(typingctx, mask):
+        """The set bits of a uint64 (one popcnt instruction)."""
+        def codegen(context, builder, signature, args):
+            fn = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(_ir.IntType(64), [_ir.IntType(64)]), "llvm.ctpop.i64")
+            return builder.call(fn, [args[0]])
+        return numba.types.int64(mask), codegen
+
+    _U64 = np.uint64
 
     @_jit
-    def _popcount16(m):
-        m = m - ((m >> _U32(1)) & _U32(0x5555))
-        m = (m & _U32(0x3333)) + ((m >> _U32(2)) & _U32(0x3333))
-        m = (m + (m >> _U32(4))) & _U32(0x0F0F)
-        return np.int64((m + (m >> _U32(8))) & _U32(0x1F))
+    def _reverse_bytes_bits(m):
+        """The bits of each byte of m reversed: lane masks have element 0 in bit 0, the bitmap
+        (numpy.packbits order) has it in the top bit of its byte."""
+        m = ((m >> _U64(1)) & _U64(0x5555555555555555)) | ((m & _U64(0x5555555555555555)) << _U64(1))
+        m = ((m >> _U64(2)) & _U64(0x3333333333333333)) | ((m & _U64(0x3333333333333333)) << _U64(2))
+        return ((m >> _U64(4)) & _U64(0x0F0F0F0F0F0F0F0F)) | ((m & _U64(0x0F0F0F0F0F0F0F0F)) << _U64(4))
+
+    WIDE = 256             # elements per step of the vector kernels: whole csr rows
 
     @_jit
     def _ssdc_encode_bitmap_vector(u, bitmap, values, off, end, p, rounded):
         n = u.size
+        lanes = _lanes_of(values)
         codes = np.empty(WIDE, values.dtype)
         for block in range(n // WIDE):
             base = block * WIDE
             for j in range(WIDE):
                 codes[j] = _value(u[base + j], p, rounded)
-            for k in range(WIDE // 16):
-                m = _nonzero16(u, base + 16 * k)
-                _compress16(codes, 16 * k, m, values, off)
-                bitmap[base // 8 + 2 * k] = _REVERSED[m & _U32(0xFF)]
-                bitmap[base // 8 + 2 * k + 1] = _REVERSED[m >> _U32(8)]
-                off += _popcount16(m)
+            for k in range(WIDE // lanes):
+                m = _nonzero(u, base + lanes * k, values)
+                _compress(codes, lanes * k, m, values, off, values, off + lanes > end)
+                bits = _reverse_bytes_bits(m)
+                for b in range(lanes // 8):
+                    bitmap[(base + lanes * k) // 8 + b] = np.uint8((bits >> _U64(8 * b)) & _U64(0xFF))
+                off += _popcount(m)
         tail = n - n % WIDE
         return _ssdc_encode_bitmap(u[tail:], bitmap[tail // 8:], values, off, end, p, rounded)
 
@@ -464,17 +501,19 @@ if numba is not None:
     @_jit
     def _ssdc_encode_csr_vector(u, rowptr, cols, values, nnz, p, rounded):
         n = u.size
+        lanes = _lanes_of(values)
         codes = np.empty(WIDE, values.dtype)
         off = 0
         for row in range(n // WIDE):
             base = row * WIDE
             for j in range(WIDE):
                 codes[j] = _value(u[base + j], p, rounded)
-            for k in range(WIDE // 16):
-                m = _nonzero16(u, base + 16 * k)
-                _compress16(codes, 16 * k, m, values, off)
-                _compress16(_COLUMNS, 16 * k, m, cols, off)
-                off += _popcount16(m)
+            for k in range(WIDE // lanes):
+                m = _nonzero(u, base + lanes * k, values)
+                exact = off + lanes > nnz
+                _compress(codes, lanes * k, m, values, off, values, exact)
+                _compress(_COLUMNS, lanes * k, m, cols, off, values, exact)
+                off += _popcount(m)
             rowptr[row + 1] = off
         tail = n - n % WIDE
         return _ssdc_encode_csr(u[tail:], rowptr[tail // WIDE:], cols, values, off, nnz, p, rounded)
@@ -482,21 +521,21 @@ if numba is not None:
     @_jit
     def _ssdc_decode_bitmap_vector(bitmap, values, off, out_u, p, rounded):
         n = out_u.size
+        lanes = _lanes_of(values)
         codes = np.empty(WIDE, values.dtype)
-        masks = np.empty(WIDE // 16, np.uint32)
         for block in range(n // WIDE):
             base = block * WIDE
-            for k in range(WIDE // 16):
-                masks[k] = (_REVERSED[bitmap[base // 8 + 2 * k]]
-                            | (_REVERSED[bitmap[base // 8 + 2 * k + 1]] << _U32(8)))
-            for k in range(WIDE // 16):
-                _expand16(values, off, masks[k], codes, 16 * k)
-                off += _popcount16(masks[k])
+            for k in range(WIDE // lanes):
+                bits = _U64(0)
+                for b in range(lanes // 8):
+                    bits |= _U64(bitmap[(base + lanes * k) // 8 + b]) << _U64(8 * b)
+                m = _reverse_bytes_bits(bits)
+                _expand(values, off, m, codes, lanes * k, off + lanes > values.size)
+                off += _popcount(m)
             for j in range(WIDE):         # a zero lane holds code 0, which decodes to +0.0
                 out_u[base + j] = _dense(codes[j], p, rounded)
         tail = n - n % WIDE
         _ssdc_decode_bitmap(bitmap[tail // 8:], values, off, out_u[tail:], p, rounded)
-
 
     # ---- the same kernels over parts of a tensor on several threads (`threads`) -------------
     # Each part is a run of whole 256-element blocks (the last part takes the rest) and
@@ -524,11 +563,6 @@ if numba is not None:
         for i in range(n - n % 256, n):
             total += u[i] != _U32(0)
         return total
-
-    @_jit
-    def _count_parts(u, bounds, counts):
-        for k in range(bounds.size - 1):
-            counts[k] = _count(u[bounds[k]:bounds[k + 1]])
 
     @_jit
     def _bitmap_count_parts(bitmap, bounds, counts):
@@ -700,11 +734,12 @@ def count_nonzero(u):
     """(u's non-zero words, split): `split` is None, or with several threads the parts'
     bounds and value offsets, which ssdc_encode_bitmap takes instead of counting again."""
     bounds = _bounds(u.size)
-    parts = bounds if bounds is not None else np.array([0, u.size], np.int64)
-    offsets = np.zeros(parts.size, np.int64)
-    (_count_parts if bounds is None else _count_parts_threaded)(u, parts, offsets[1:])
+    if bounds is None:
+        return int(_count(u)), None
+    offsets = np.zeros(bounds.size, np.int64)
+    _count_parts_threaded(u, bounds, offsets[1:])
     np.cumsum(offsets, out=offsets)
-    return int(offsets[-1]), (None if bounds is None else (bounds, offsets))
+    return int(offsets[-1]), (bounds, offsets)
 
 
 def _dpr(one, parts, src, dst, p, per, values):
