@@ -575,3 +575,27 @@ def test_ssdc_refuses_a_header_it_did_not_write():
     data[0] = 1                                  # csr, which this codec reserves no room for
     with pytest.raises(ValueError, match="capacity"):
         codec.decode(np, enc.arrays, np.empty(shape, np.float32), {})
+
+
+def test_half_stash_holds_dpr_fp16_codes_as_float16_of_the_tensor_shape():
+    from minigist.codecs.dpr import HalfStash
+    shape = (3, 5, 7, 2)
+    x = np.random.default_rng(5).standard_normal(shape).astype(np.float32) * 1e3
+    x.reshape(-1)[:4] = [np.inf, -0.0, 1e-7, 7e4]
+    plain, half = DPR("fp16"), HalfStash()
+    assert half.name == "fp16" and half.encoded_nbytes(shape) == plain.encoded_nbytes(shape)
+    decl = half.encoded(shape)["codes"]
+    assert tuple(decl.shape) == shape and np.dtype(decl.dtype) == np.float16
+    results = []
+    for codec in (plain, half):
+        enc = {k: np.zeros(d.shape, d.dtype) for k, d in codec.encoded(shape).items()}
+        codec.encode(np, x, enc, {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(shape, "encode").items()})
+        out = np.empty(shape, np.float32)
+        codec.decode(np, enc, out, {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(shape, "decode").items()})
+        results.append((enc["codes"].tobytes(), out))
+    assert results[0][0] == results[1][0]
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    # the codes read as float16 are the decoded values
+    enc = {"codes": np.zeros(shape, np.float16)}
+    half.encode(np, x, enc, {k: np.empty(d.shape, d.dtype) for k, d in half.workspace(shape, "encode").items()})
+    np.testing.assert_array_equal(enc["codes"].astype(np.float32), results[1][1])

@@ -105,6 +105,67 @@ def test_the_kernels_run_when_on(monkeypatch):
     assert calls == ["center_square", "batchnorm_input_grad", "scale_bias", "scale_grads", "relu", "relu_grad"]
 
 
+@pytest.mark.parametrize("name", ["half_bits_to_float", "half_f16c_to_float"])
+def test_half_to_float_is_numpys_cast_for_every_code(name):
+    from minigist.layers import fused_kernels
+    if name == "half_f16c_to_float" and not jit.HALF:
+        pytest.skip("this CPU has no F16C: the integer conversion serves")
+    convert = getattr(fused_kernels, name)
+
+    @jit.numba.njit
+    def widen_all(codes, out):
+        for i in range(codes.size):
+            out[i] = convert(codes[i])
+
+    codes = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(codes.size, np.float32)
+    widen_all(codes, out)
+    # NaNs included: sign and payload kept, a signalling NaN stays signalling
+    assert out.view(np.uint32).tobytes() == codes.view(np.float16).astype(np.float32).view(np.uint32).tobytes()
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["normal", "special"])
+@pytest.mark.parametrize("chunk_bytes", [None, 2 * 3 * 4 * 6 * 4])
+@pytest.mark.parametrize("inplace", [False, True], ids=["apart", "in place"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "ufuncs"])
+@pytest.mark.parametrize("kind", ["batchnorm", "scale+bias", "scale", "scale axis 2"])
+def test_backward_reads_a_float16_stash_as_its_float32_values(kind, kernels, inplace, chunk_bytes, special):
+    """BatchNorm's y and Scale's x as float16 (Layer.reads_half, Gist's fp16 stash): every
+    gradient the same bytes as from the same values in float32."""
+    layer = make_layer(LAYERS[kind], [SHAPE])
+    assert layer.reads_half()
+    if chunk_bytes:
+        layer.chunk_bytes = chunk_bytes
+    rng = np.random.default_rng(33)
+    x, gy = values(rng, SHAPE, np.float32, special), values(rng, SHAPE, np.float32, special)
+    params = [fill(p.filler, p.shape, rng, np.float32) for p in layer.params]
+    ws = {phase: {k: np.zeros(d.shape, d.dtype or layer.dtype) for k, d in layer.workspace(phase).items()}
+          for phase in ("forward", "backward")}
+    saved = {k: np.empty(d.shape, d.dtype or layer.dtype) for k, d in layer.saved.items()}
+    y = np.empty(layer.top_shapes[0], np.float32)
+    with np.errstate(all="ignore"):
+        layer.forward(np, [x.copy()], [y], params, saved, ws["forward"])
+    stash16 = (y if kind == "batchnorm" else x).astype(np.float16)
+    results = []
+    for stash in (stash16, stash16.astype(np.float32)):
+        x_in, y_in = (x, stash) if kind == "batchnorm" else (stash, y)
+        g = gy.copy()
+        gx = g if inplace else np.empty_like(g)
+        gp = [np.empty_like(p) if d.trained else None for p, d in zip(params, layer.params)]
+        with jit.use_kernels(kernels), np.errstate(all="ignore"):
+            layer.backward(np, [x_in], [y_in], [g], [gx], params, gp, saved, ws["backward"])
+        results.append([gx] + [p for p in gp if p is not None])
+    for a, b in zip(*results):
+        same_bytes(a, b)
+
+
+def test_layers_that_cannot_read_a_float16_stash_say_so():
+    assert not make_layer(LAYERS["relu"], [SHAPE]).reads_half()
+    assert not make_layer('name: "s" type: "Scale" bottom: "x" top: "y" param { lr_mult: 0 }', [SHAPE]).reads_half()
+    assert not make_layer('name: "bn" type: "BatchNorm" bottom: "x" top: "y" '
+                          'batch_norm_param { use_global_stats: true }', [SHAPE]).reads_half()
+
+
 def _conv_modes():
     """(case, transposed) pairs: the transposed input gradient exists for stride 1, non-1x1."""
     pairs = []

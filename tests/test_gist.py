@@ -69,6 +69,35 @@ def test_streamed_stashes_train_like_whole_ones(name, alloc, gist, monkeypatch):
         np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "ufuncs"])
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+@pytest.mark.parametrize("name,gist", [("resnet20", "lossy"), ("resnet20", "all"), ("inception_small", "all")])
+def test_fp16_stashes_read_as_they_are_train_like_decoded_ones(name, gist, alloc, kernels, monkeypatch):
+    """BatchNorm's x_hat (read by its own backward and Scale's) is kept as DPR fp16 codes
+    that both backward steps read as float16, with no decode step: the same bits as
+    decoding it to float32 first."""
+    from minigist import jit
+    with jit.use_kernels(kernels):
+        net, losses = train(name, gist, alloc, steps=3)
+        program = net.programs["train"]
+        direct = [e for e in program.encodings.values() if type(e.codec).__name__ == "HalfStash"]
+        assert direct and all(e.name == "fp16" and e.decoded == "" for e in direct)
+        decoded = {name for s in program.steps if s.kind == "decode" for name in s.args["enc"].values()}
+        readers = [s for s in program.steps if s.kind == "backward" and s.layer.type in ("BatchNorm", "Scale")]
+        for encoding in direct:
+            codes = encoding.encoded[0]
+            assert codes not in decoded and program.buffers[codes].dtype == np.float16
+            assert any(codes in s.args["x"] + s.args["y"] for s in readers)
+        # stashes read by other layers are still decoded (the input, read by conv1's backward)
+        assert any(s.note == "data" for s in program.steps if s.kind == "decode")
+        monkeypatch.setattr(minigist.gist._Builder, "read_as_half", lambda self, name, codec: False)
+        reference, expected = train(name, gist, alloc, steps=3)
+    assert not [e for e in reference.programs["train"].encodings.values() if type(e.codec).__name__ == "HalfStash"]
+    assert losses == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+
+
 def test_paper_binarize_form_is_bit_identical_too():
     reference, expected = train("vgg_small", "none", "static")
     net, losses = train("vgg_small", "lossless", "static", binarize="paper")

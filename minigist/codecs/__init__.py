@@ -12,6 +12,8 @@ Encodings by name (the names the footprint report uses):
 | fp16 / fp10 / fp8-e4m3 / fp8-e5m2 | DPR    | no       | the map in reduced precision                  |
 
 (*) SSDC is lossless with fp32 values; under `--gist all` its values use the DPR format.
+An fp16 stash that every backward reader takes as float16 is a HalfStash: DPR fp16 codes that
+those readers read as they are, without a decoded copy (still named fp16).
 
 A user may register a codec for a (producer type, consumer type) pair with `register_codec`;
 a registered pair takes precedence over the built-in choice. Registering a pair twice is an

@@ -239,3 +239,30 @@ class DPR(Codec):
         xp.right_shift(code, ctype(self.E + self.M), out=t)
         xp.left_shift(t, U32(31), out=t)
         xp.bitwise_or(w, t, out=w)                         # sign
+
+
+class HalfStash(DPR):
+    """DPR fp16 kept where a layer's backward reads it as it is (Layer.reads_half): the codes
+    are IEEE binary16 values, declared as a float16 array of the stash's own shape, which the
+    backward takes in place of the float32 tensor. No decode step runs and no decoded float32
+    copy is planned; each element reads as its exact float32 value, which is what a decode
+    would have written, so the results are the same bytes as with DPR("fp16").
+
+    encode and decode take the same flat uint16 codes as DPR("fp16") (decode serves tests
+    and reports; the net's program never runs it)."""
+
+    def __init__(self, chunk=None):
+        super().__init__("fp16", chunk)
+
+    def encoded(self, shape):
+        return {"codes": TensorDecl(tuple(int(d) for d in shape), np.float16)}
+
+    @staticmethod
+    def _flat(xp, enc):
+        return {"codes": enc["codes"].reshape(-1).view(xp.uint16)}
+
+    def encode(self, xp, x, enc, ws):
+        super().encode(xp, x, self._flat(xp, enc), ws)
+
+    def decode(self, xp, enc, out, ws):
+        super().decode(xp, self._flat(xp, enc), out, ws)

@@ -134,6 +134,13 @@ class Layer:
         encoded per sample can be decoded one slice at a time); 0: it reads x[0] whole."""
         return 0
 
+    def reads_half(self):
+        """Whether the backward takes its stream_role's first tensor (x[0], or y[0]) as a
+        float16 array of the same shape instead of the float32 one, reading each element as
+        its exact float32 value: Gist then hands it its fp16 stash as it is, without a
+        decoded float32 copy."""
+        return False
+
     def inplace_safe(self, bottom_index, top_index):
         """Whether top `top_index` may overwrite bottom `bottom_index` in forward and backward."""
         return False

@@ -11,7 +11,16 @@ Each kernel has a loop for an output apart from its input and one for the output
 over the input (`same`; the layers run in place): LLVM vectorises a loop only when it can
 rule out overlap at run time, and an output that is its input always overlaps, so a single
 loop would run scalar exactly in the in-place case, the common one.
+
+BatchNorm's and Scale's backward kernels also take the stashed x_hat as IEEE binary16 bits (a
+uint16 view of the float16 array Gist hands them: its fp16 stash, read without a decoded
+float32 copy; numba has no float16 type). Each value is widened to its exact float32 value
+(`half_to_float`, numpy's float16 -> float32 cast bit for bit), so the results are the bytes
+the same kernels give on the decoded copy.
 """
+import numpy as np
+
+from .. import jit
 from ..jit import numba
 
 
@@ -21,7 +30,55 @@ def same_memory(a, b):
 
 
 if numba is not None:
+    from numba.extending import overload
+
     _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    _U32 = np.uint32
+
+    @_jit
+    def half_bits_to_float(h):
+        """The float32 value of the binary16 bits h in integer arithmetic, exactly as numpy
+        casts float16 to float32: Inf and NaN keep their sign and payload, subnormals become
+        normals."""
+        w = _U32(h)
+        a = w & _U32(0x7FFF)
+        special = _U32(0x7F800000) | ((a & _U32(0x3FF)) << _U32(13))
+        normal = (a << _U32(13)) + _U32(112 << 23)           # exponent rebias 15 -> 127
+        # a subnormal (or zero) is a * 2**-24, exact in float32
+        small = np.float32(np.float32(a) * np.float32(2.0 ** -24)).view(np.uint32)
+        bits = _U32(special if a >= _U32(0x7C00) else (normal if a >= _U32(0x400) else small))
+        return _U32(bits | ((w & _U32(0x8000)) << _U32(16))).view(np.float32)
+
+    @_jit
+    def half_f16c_to_float(h):
+        """half_bits_to_float through F16C's conversion, which vectorises (2x as fast in
+        BatchNorm's backward product); Inf and NaN by their bits, since the hardware quiets a
+        signalling NaN."""
+        w = _U32(h)
+        a = w & _U32(0x7FFF)
+        special = _U32(0x7F800000) | ((a & _U32(0x3FF)) << _U32(13)) | ((w >> _U32(15)) << _U32(31))
+        return _U32(special if a >= _U32(0x7C00) else jit.bits_from_half(w)).view(np.float32)
+
+    half_to_float = half_f16c_to_float if jit.HALF else half_bits_to_float
+
+    def widen(v):
+        """v as float32: itself, or binary16 bits (uint16) widened by half_to_float."""
+
+    @overload(widen)
+    def _widen(v):
+        if isinstance(v, numba.types.Float):
+            return lambda v: v
+        if v == numba.types.uint16:
+            return lambda v: half_to_float(v)
+
+    @_jit
+    def product(gy, y, out):
+        """out = gy * y, y float32 or binary16 bits (BatchNorm backward's gy * x_hat)."""
+        n, c, s = gy.shape
+        for a in range(n):
+            for ch in range(c):
+                for i in range(s):
+                    out[a, ch, i] = gy[a, ch, i] * widen(y[a, ch, i])
 
     @_jit
     def center_square(x, mean, y, square, same):
@@ -43,17 +100,18 @@ if numba is not None:
 
     @_jit
     def batchnorm_input_grad(gy, y, mean_gy_y, mean_gy, inv_std, gx, same):
-        """gx = ((gy - y * mean_gy_y[c]) - mean_gy[c]) * inv_std[c]; `same`: gx is gy."""
+        """gx = ((gy - y * mean_gy_y[c]) - mean_gy[c]) * inv_std[c], y float32 or binary16
+        bits; `same`: gx is gy."""
         n, c, s = gy.shape
         for a in range(n):
             for ch in range(c):
                 p, q, r = mean_gy_y[ch], mean_gy[ch], inv_std[ch]
                 if same:
                     for i in range(s):
-                        gy[a, ch, i] = ((gy[a, ch, i] - y[a, ch, i] * p) - q) * r
+                        gy[a, ch, i] = ((gy[a, ch, i] - widen(y[a, ch, i]) * p) - q) * r
                 else:
                     for i in range(s):
-                        gx[a, ch, i] = ((gy[a, ch, i] - y[a, ch, i] * p) - q) * r
+                        gx[a, ch, i] = ((gy[a, ch, i] - widen(y[a, ch, i]) * p) - q) * r
 
     @_jit
     def scale_bias(x, scale, bias, y, same):
@@ -74,7 +132,8 @@ if numba is not None:
 
     @_jit
     def scale_grads(gy, x, scale, product, gx, same):
-        """product = gy * x (for the scale's gradient); gx = gy * scale[c]; `same`: gx is gy."""
+        """product = gy * x (for the scale's gradient), x float32 or binary16 bits;
+        gx = gy * scale[c]; `same`: gx is gy."""
         n, c, s = gy.shape
         for a in range(n):
             for ch in range(c):
@@ -82,12 +141,12 @@ if numba is not None:
                 if same:
                     for i in range(s):
                         g = gy[a, ch, i]
-                        product[a, ch, i] = g * x[a, ch, i]
+                        product[a, ch, i] = g * widen(x[a, ch, i])
                         gy[a, ch, i] = g * w
                 else:
                     for i in range(s):
                         g = gy[a, ch, i]
-                        product[a, ch, i] = g * x[a, ch, i]
+                        product[a, ch, i] = g * widen(x[a, ch, i])
                         gx[a, ch, i] = g * w
 
     @_jit

@@ -108,6 +108,9 @@ class BatchNorm(Layer):
         per_sample = c * s * np.dtype(self.dtype).itemsize
         return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
 
+    def reads_half(self):
+        return not self.use_global      # x_hat, in the product pass and the gx pass
+
     def workspace(self, phase):
         if self.use_global:
             return {}
@@ -200,11 +203,15 @@ class BatchNorm(Layer):
         chunk = product.shape[0]
         starts = range(0, n, chunk)
         mean_gy_y, mean_gy, part = sums[0], sums[1], sums[2]
+        half = y[0].dtype == np.float16   # Gist's fp16 stash (reads_half): its bits to the kernels
         for n0 in starts:
             yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
             gyc = gy3[n0:n0 + chunk]
             pc = product[:yc.shape[0]]
-            xp.multiply(gyc, yc, out=pc)
+            if half and jit.active(xp, gyc, yc, pc):
+                fused_kernels.product(gyc, yc.view(np.uint16), pc)
+            else:
+                xp.multiply(gyc, yc, out=pc)
             self._channel_sum(xp, pc, mean_gy_y, part, n0 == 0, ws)
             self._channel_sum(xp, gyc, mean_gy, part, n0 == 0, ws)
         xp.divide(mean_gy_y, m, out=mean_gy_y)
@@ -214,7 +221,8 @@ class BatchNorm(Layer):
             yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
             gyc, gxc = gy3[n0:n0 + chunk], gx3[n0:n0 + chunk]
             if jit.active(xp, gyc, yc, gxc, mean_gy_y, mean_gy, inv_std):
-                fused_kernels.batchnorm_input_grad(gyc, yc, mean_gy_y, mean_gy, inv_std, gxc, fused_kernels.same_memory(gyc, gxc))
+                fused_kernels.batchnorm_input_grad(gyc, yc.view(np.uint16) if half else yc, mean_gy_y, mean_gy,
+                                                   inv_std, gxc, fused_kernels.same_memory(gyc, gxc))
                 continue
             pc = product[:yc.shape[0]]
             xp.multiply(yc, mean_gy_y[:, None], out=pc)
@@ -285,6 +293,9 @@ class Scale(Layer):
         per_sample = count * inner * np.dtype(self.dtype).itemsize
         return max(1, min(outer, self.chunk_bytes // max(per_sample, 1)))
 
+    def reads_half(self):
+        return self.scale_trained       # x, for the scale's gradient
+
     def _chunk(self):
         return self.stream_chunk() or self.shape3[0]
 
@@ -336,7 +347,8 @@ class Scale(Layer):
             gxc = gx3[n0:n0 + chunk] if gx3 is not None else None
             fused = gxc is not None and jit.active(xp, gyc, xc, pc, gxc, p[0])
             if fused:   # the product and gx in one pass: gx (which may be gy) after gy is read
-                fused_kernels.scale_grads(gyc, xc, p[0].reshape(-1), pc, gxc, fused_kernels.same_memory(gyc, gxc))
+                bits = xc.view(np.uint16) if xc.dtype == np.float16 else xc   # Gist's fp16 stash
+                fused_kernels.scale_grads(gyc, bits, p[0].reshape(-1), pc, gxc, fused_kernels.same_memory(gyc, gxc))
             else:
                 xp.multiply(gyc, xc, out=pc)
             _channel_sums(xp, pc, gscale if n0 == 0 else part, ws["ones"], ws["rows"])
