@@ -159,6 +159,24 @@ def test_backward_reads_a_float16_stash_as_its_float32_values(kind, kernels, inp
         same_bytes(a, b)
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["apart", "in place"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_backward_from_a_mask_writes_the_same_bytes(dtype, inplace):
+    """Gist's Binarize: ReLU backward from the decoded bool mask, kernels off and on."""
+    layer = make_layer(LAYERS["relu"], [SHAPE], dtype=dtype)
+    rng = np.random.default_rng(34)
+    gy = values(rng, SHAPE, dtype, True)
+    mask = rng.random(SHAPE) < 0.5
+    results = []
+    for on in (False, True):
+        g = gy.copy()
+        gx = g if inplace else np.empty_like(g)
+        with jit.use_kernels(on), np.errstate(all="ignore"):
+            layer.backward_from_mask(np, mask.copy(), g, gx, {})
+        results.append(gx)
+    same_bytes(*results)
+
+
 def test_layers_that_cannot_read_a_float16_stash_say_so():
     assert not make_layer(LAYERS["relu"], [SHAPE]).reads_half()
     assert not make_layer('name: "s" type: "Scale" bottom: "x" top: "y" param { lr_mult: 0 }', [SHAPE]).reads_half()
