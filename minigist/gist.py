@@ -228,8 +228,9 @@ class _Builder:
                 continue
             uses = [i for i, s in enumerate(self.steps) if i < self.first_backward and name in set(s.buffer_names())]
             readers = self.readers[name]
-            chunk = self.stream_chunk(name, codec)
-            direct = not chunk and self.read_as_half(name, codec)
+            # read as it is: neither a decoded copy nor a streamed slice buffer
+            direct = self.read_as_half(name, codec)
+            chunk = 0 if direct else self.stream_chunk(name, codec)
             if chunk:
                 codec = self.per_sample(buffer, codec)
             if direct:

@@ -73,12 +73,10 @@ if numba is not None:
 
     @_jit
     def product(gy, y, out):
-        """out = gy * y, y float32 or binary16 bits (BatchNorm backward's gy * x_hat)."""
-        n, c, s = gy.shape
-        for a in range(n):
-            for ch in range(c):
-                for i in range(s):
-                    out[a, ch, i] = gy[a, ch, i] * widen(y[a, ch, i])
+        """out = gy * y, y float32 or binary16 bits (BatchNorm backward's gy * x_hat). Flat
+        arrays."""
+        for i in range(gy.size):
+            out[i] = gy[i] * widen(y[i])
 
     @_jit
     def center_square(x, mean, y, square, same):

@@ -209,7 +209,7 @@ class BatchNorm(Layer):
             gyc = gy3[n0:n0 + chunk]
             pc = product[:yc.shape[0]]
             if half and jit.active(xp, gyc, yc, pc):
-                fused_kernels.product(gyc, yc.view(np.uint16), pc)
+                fused_kernels.product(gyc.reshape(-1), yc.reshape(-1).view(np.uint16), pc.reshape(-1))
             else:
                 xp.multiply(gyc, yc, out=pc)
             self._channel_sum(xp, pc, mean_gy_y, part, n0 == 0, ws)
