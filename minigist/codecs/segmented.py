@@ -18,6 +18,7 @@ class PerSample(Codec):
         self.name = inner.name
         self.lossless = inner.lossless
         self.data_dependent = inner.data_dependent
+        self._kept = None      # (enc, per-sample slices of it): see _parts
 
     def _sample_shape(self, shape):
         if shape[0] != self.batch:
@@ -36,7 +37,13 @@ class PerSample(Codec):
         return self.inner.decoded_dtype(dtype)
 
     def _parts(self, enc, index):
-        return {part: array.reshape(self.batch, -1)[index] for part, array in enc.items()}
+        """Sample index's slices of the encoded buffers. Kept per enc (a static plan hands the
+        same arrays every step), so that the inner codec sees the same slice arrays too."""
+        kept = self._kept
+        if kept is None or len(kept[0]) != len(enc) or any(kept[0].get(k) is not v for k, v in enc.items()):
+            kept = self._kept = (dict(enc), [{part: array.reshape(self.batch, -1)[i] for part, array in enc.items()}
+                                             for i in range(self.batch)])
+        return kept[1][index]
 
     def density(self, xp, x):
         """The densest sample's fraction of non-zeros: what each sample's capacity must hold."""

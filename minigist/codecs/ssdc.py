@@ -61,6 +61,9 @@ def _take(xp, a, idx, out):
     return xp.take(a, idx, out=out)
 
 
+_KEPT_VIEWS = 1024       # view sets an SSDC codec keeps (see _views)
+
+
 class SSDC(Codec):
     """Sparse stash with a planned capacity (the most non-zeros its buffer holds).
 
@@ -89,7 +92,7 @@ class SSDC(Codec):
                     else DPR(value_format, chunk=-(-(self.chunk + 2) // 3) * 3))
         self.lossless = self.dpr is None
         self.name = "ssdc" if self.dpr is None else f"ssdc-{value_format}"
-        self._last_views = None
+        self._kept_views = {}
 
     # ---- sizes --------------------------------------------------------------------------
     @staticmethod
@@ -164,13 +167,17 @@ class SSDC(Codec):
 
     # ---- views into enc -----------------------------------------------------------------
     def _views(self, xp, data, n):
-        """The format views into data for an n-element tensor. The last answer is kept (with
-        data itself, so its id cannot be reused): a static plan hands the same arrays every
-        step, and making the views took a third of a small map's encode time."""
-        if self._last_views is not None and self._last_views[0] is data and self._last_views[1] == n:
-            return self._last_views[2]
+        """The format views into data for an n-element tensor. Answers are kept per data array
+        (with the array itself, so that its id cannot be reused): a static plan hands the same
+        arrays every step (PerSample one per sample), and making the views took a third of a
+        small map's encode time. A dynamic plan's fresh arrays empty the store now and then."""
+        kept = self._kept_views.get(id(data))
+        if kept is not None and kept[0] is data and kept[1] == n:
+            return kept[2]
+        if len(self._kept_views) >= _KEPT_VIEWS:
+            self._kept_views.clear()
         views = self._make_views(xp, data, n)
-        self._last_views = (data, n, views)
+        self._kept_views[id(data)] = (data, n, views)
         return views
 
     def _make_views(self, xp, data, n):
