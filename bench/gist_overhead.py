@@ -5,9 +5,11 @@
 
 For each model the nets (gist none, lossless, lossy fp16, all fp16) are built once, warmed up,
 then timed in alternation (none, lossless, ..., none, lossless, ...) so that machine noise hits
-every mode alike; the reported figure is the median step time and its ratio to `none`. With
-numba installed the codecs run their compiled kernels, and one more column times `all fp16` with
-the codecs on their ufunc path (minigist.codecs.kernels.use_codec_kernels(False); MAX pooling's
+every mode alike; the reported figure is the median step time and its ratio to `none`. A last
+line gives the machine's memory copy rate before and after the run (the codecs are passes over
+memory, so their share of a step grows when memory is slow). With numba installed the codecs
+run their compiled kernels, and one more column times `all fp16` with the codecs on their
+ufunc path (minigist.codecs.kernels.use_codec_kernels(False); MAX pooling's
 kernels stay on, as in the other columns) in the same run. `--conv` picks the convolution
 engine of every net (im2col, the default, or onednn).
 """
@@ -31,6 +33,19 @@ if kernels.available():       # the same mode on the ufunc path, for comparison
     CONFIGS.append(("all fp16, ufunc codecs", "all", "fp16"))
 
 
+def copy_rate():
+    """GB/s of one 64 MiB copy (median of 5): Gist's codecs are passes over memory, and this
+    machine has states where memory is much slower than usual (its ratios then rise)."""
+    src = np.ones(16 << 20, np.float32)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.nbytes / statistics.median(times) / 1e9
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32)
@@ -42,6 +57,7 @@ def main():
     rng = np.random.default_rng(0)
     print("codecs: " + (f"compiled kernels (numba {kernels.numba.__version__})" if kernels.available()
                         else "ufunc path (numba not installed)") + f"; convolutions: {args.conv}")
+    rate_before = copy_rate()
     print(f"| model (batch {args.batch_size}) | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in CONFIGS) + " |")
     print("|---|" + "---:|" * len(CONFIGS))
     for name in args.models.split(","):
@@ -64,6 +80,7 @@ def main():
         base = statistics.median(times["none"])
         cells = [f"{statistics.median(t):.3f} ({statistics.median(t) / base:.3f})" for t in times.values()]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    print(f"memory copy rate before / after: {rate_before:.1f} / {copy_rate():.1f} GB/s (read + write)")
 
 
 if __name__ == "__main__":
