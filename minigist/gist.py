@@ -3,7 +3,8 @@
 For every stashed tensor (kept from the forward pass for the backward pass) it picks an
 encoding from the tensor's producer, its consumers and the GistConfig, then inserts an encode
 step and a decode step right before its first backward use, and points the backward steps at
-the decoded copy. The FP32 tensor's lifetime now ends at its last forward use, the decoded
+the decoded copy (unless its readers decode it slice by slice, or read it as fp16 as it is:
+both below). The FP32 tensor's lifetime now ends at its last forward use, the decoded
 copy lives only around its backward uses, and the memory planner, which runs after this pass,
 sees the new lifetimes.
 
@@ -14,7 +15,8 @@ it in place (a 64->64 convolution over its ReLU input): VGG-16's forward peak at
 drops by 0.5 GB under `--gist all`.
 
 An fp16 stash whose every backward reader can take float16 in its place (Layer.reads_half:
-BatchNorm's x_hat, read by its own backward and Scale's) gets no decode step: the readers
+BatchNorm's x_hat, read by its own backward and Scale's) gets no decode step and is not
+streamed: the readers
 read its DPR codes as a float16 array of the tensor's shape (HalfStash), each value widened to
 the float32 a decode would have written, so the bits are the same and a ResNet-20 step under
 `--gist all` skips 21 decodes (about 0.6 ms of a 37 ms step).

@@ -299,3 +299,36 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: 
 """)
     assert minigist.Net(path, update="fused").programs["train"].fused_update
     assert not minigist.Net(path, update="separate").programs["train"].fused_update
+
+
+BN_READ_BY_A_CONV = '''name: "bn_read_by_a_conv"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 3 dim: 8 dim: 8 } shape { dim: 4 } } }
+layer { name: "conv0" type: "Convolution" bottom: "data" top: "c0"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "bn" type: "BatchNorm" bottom: "c0" top: "b0" }
+layer { name: "sc" type: "Scale" bottom: "b0" top: "s0" scale_param { bias_term: true } }
+layer { name: "convb" type: "Convolution" bottom: "b0" top: "cb"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "sum" type: "Eltwise" bottom: "s0" bottom: "cb" top: "e" }
+layer { name: "bn2" type: "BatchNorm" bottom: "e" top: "b2" }
+layer { name: "sc2" type: "Scale" bottom: "b2" top: "s2" }
+layer { name: "fc" type: "InnerProduct" bottom: "s2" top: "fc"
+  inner_product_param { num_output: 5 weight_filler { type: "msra" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+'''
+
+
+def test_an_fp16_stash_with_a_reader_that_needs_float32_is_decoded(tmp_path):
+    """x_hat read by BatchNorm's and Scale's backward and a convolution's: decoded as before;
+    the second BatchNorm's, read by BatchNorm and Scale alone, as fp16 as it is."""
+    path = tmp_path / "bn_read_by_a_conv.prototxt"
+    path.write_text(BN_READ_BY_A_CONV)
+    rng = np.random.default_rng(3)
+    data, label = rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 5, 4)
+    net = minigist.Net(path, batch_size=4, seed=1, gist="lossy")
+    net.forward_backward(data, label)
+    encodings = {e.tensor: e for e in net.programs["train"].encodings.values()}
+    direct = {t for t, e in encodings.items() if type(e.codec).__name__ == "HalfStash"}
+    assert direct == {"blob:b2"}
+    assert type(encodings["blob:b0"].codec) is DPR and encodings["blob:b0"].decoded

@@ -248,8 +248,8 @@ class HalfStash(DPR):
     copy is planned; each element reads as its exact float32 value, which is what a decode
     would have written, so the results are the same bytes as with DPR("fp16").
 
-    encode and decode take the same flat uint16 codes as DPR("fp16") (decode serves tests
-    and reports; the net's program never runs it)."""
+    encode and decode write and read the same bytes as DPR("fp16") (the net's program never
+    runs decode; the tests do)."""
 
     def __init__(self, chunk=None):
         super().__init__("fp16", chunk)

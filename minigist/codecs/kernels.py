@@ -41,8 +41,8 @@ code per word) and SSDC bitmap kernels split a tensor of at least 2 * PARALLEL_M
 into parts of whole 256-element blocks, one per thread, which write the bytes one thread
 writes (an SSDC part's values start at the non-zeros before it, counted per part first). A
 2 MiB ReLU map's SSDC-fp16 encode, count included, takes 0.054 ms on two threads against
-0.086 on one, its decode 0.053 against 0.077 (in cache, AVX-512; session 7's register-form
-compress and expand: 0.069 / 0.119 and 0.060 / 0.096 before). In six alternating runs of ResNet-20's step
+0.086 on one, its decode 0.053 against 0.077 (in cache, AVX-512; with the memory forms of
+compress and expand, 16 lanes at a time: 0.069 / 0.119 and 0.060 / 0.096). In six alternating runs of ResNet-20's step
 under all + fp16 (as a ratio to no Gist, before the counting kernel), two threads won four
 (1.064-1.093 against 1.113-1.131) and lost two (1.199 against 1.154 in the machine's slow
 state, 1.093 against 1.053); Inception-small's three went to 1.045-1.061 from 1.062-1.069
@@ -107,9 +107,10 @@ def _dpr_params(dpr):
 FP32_PARAMS = (0,) * 15    # values kept as float32 bits (SSDC "fp32"): the kernels copy them
 
 # The CPU's features, as numba compiles for them (a generic target, NUMBA_CPU_NAME=generic, has
-# none): the compress/expand kernels need AVX-512 F, BW and VBMI2 (set_vector(False) selects the
-# scalar ones; the tests run both); fp16 goes through F16C's conversions where it has them.
-VECTOR = _host_has("avx512f", "avx512bw", "avx512vbmi2")
+# none): the compress/expand kernels need AVX-512 F, BW, VL and VBMI2 (set_vector(False)
+# selects the scalar ones; the tests run both); fp16 goes through F16C's conversions where it
+# has them.
+VECTOR = _host_has("avx512f", "avx512bw", "avx512vl", "avx512vbmi2")
 _vector = VECTOR
 HALF = jit.HALF
 _half = HALF

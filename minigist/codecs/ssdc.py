@@ -168,16 +168,19 @@ class SSDC(Codec):
     # ---- views into enc -----------------------------------------------------------------
     def _views(self, xp, data, n):
         """The format views into data for an n-element tensor. Answers are kept per data array
-        (with the array itself, so that its id cannot be reused): a static plan hands the same
-        arrays every step (PerSample one per sample), and making the views took a third of a
-        small map's encode time. A dynamic plan's fresh arrays empty the store now and then."""
+        (with the array itself, so that its id cannot be reused) when data is a view into
+        memory owned elsewhere, as a net's arena views are: a static plan hands the same arrays
+        every step (PerSample one per sample), and making the views took a third of a small
+        map's encode time. An array owning its memory is not kept (the codec would keep it
+        alive), and a dynamic plan's fresh views empty the store now and then."""
         kept = self._kept_views.get(id(data))
         if kept is not None and kept[0] is data and kept[1] == n:
             return kept[2]
-        if len(self._kept_views) >= _KEPT_VIEWS:
-            self._kept_views.clear()
         views = self._make_views(xp, data, n)
-        self._kept_views[id(data)] = (data, n, views)
+        if data.base is not None:
+            if len(self._kept_views) >= _KEPT_VIEWS:
+                self._kept_views.clear()
+            self._kept_views[id(data)] = (data, n, views)
         return views
 
     def _make_views(self, xp, data, n):

@@ -68,7 +68,7 @@ class ReLU(Layer):
         """gx from the positive mask alone (the form Gist's Binarize codec stores). gx may be
         gy itself (in place); the mask is used up (inverted) when negative_slope > 0."""
         if self.slope == 0.0:
-            if jit.active(xp, mask, gy, gx):
+            if gx is not None and jit.active(xp, mask, gy, gx):
                 # the same products as multiply(gy, mask) in one pass: numpy's loop for a
                 # float32 times a bool casts the bools in buffered chunks, 3x slower
                 dtype = gy.dtype.type
