@@ -16,10 +16,10 @@ drops by 0.5 GB under `--gist all`.
 
 An fp16 stash whose every backward reader can take float16 in its place (Layer.reads_half:
 BatchNorm's x_hat, read by its own backward and Scale's) gets no decode step and is not
-streamed: the readers
-read its DPR codes as a float16 array of the tensor's shape (HalfStash), each value widened to
-the float32 a decode would have written, so the bits are the same and a ResNet-20 step under
-`--gist all` skips 21 decodes (about 0.6 ms of a 37 ms step).
+streamed: the readers read its DPR codes as a float16 array of the tensor's shape
+(HalfStash), each value widened to the float32 a decode would have written, so the bits are
+the same and a ResNet-20 step under `--gist all` skips 21 decodes (about 0.6 ms of a 37 ms
+step).
 
 Two backward variants replace a ReLU's stash, with the ReLU layer's own code:
 - "mask": ReLU backward from the decoded 1-bit mask (Binarize);
@@ -84,8 +84,7 @@ class _Builder:
         from .codecs.bits import BitMask, PackedCodes
         from .codecs.dpr import DPR, HalfStash
         from .codecs.ssdc import SSDC
-        self.BitMask, self.PackedCodes, self.DPR, self.SSDC = BitMask, PackedCodes, DPR, SSDC
-        self.HalfStash = HalfStash
+        self.BitMask, self.PackedCodes, self.DPR, self.SSDC, self.HalfStash = BitMask, PackedCodes, DPR, SSDC, HalfStash
         self.program = program
         self.graph = program.graph
         self.config = config

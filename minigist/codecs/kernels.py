@@ -42,11 +42,11 @@ into parts of whole 256-element blocks, one per thread, which write the bytes on
 writes (an SSDC part's values start at the non-zeros before it, counted per part first). A
 2 MiB ReLU map's SSDC-fp16 encode, count included, takes 0.054 ms on two threads against
 0.086 on one, its decode 0.053 against 0.077 (in cache, AVX-512; with the memory forms of
-compress and expand, 16 lanes at a time: 0.069 / 0.119 and 0.060 / 0.096). In six alternating runs of ResNet-20's step
-under all + fp16 (as a ratio to no Gist, before the counting kernel), two threads won four
-(1.064-1.093 against 1.113-1.131) and lost two (1.199 against 1.154 in the machine's slow
-state, 1.093 against 1.053); Inception-small's three went to 1.045-1.061 from 1.062-1.069
-(bench/README, session 6).
+compress and expand, 16 lanes at a time: 0.069 / 0.119 and 0.060 / 0.096). In six
+alternating runs of ResNet-20's step under all + fp16 (as a ratio to no Gist, before the
+counting kernel), two threads won four (1.064-1.093 against 1.113-1.131) and lost two
+(1.199 against 1.154 in the machine's slow state, 1.093 against 1.053); Inception-small's
+three went to 1.045-1.061 from 1.062-1.069 (bench/README, session 6).
 """
 import contextlib
 

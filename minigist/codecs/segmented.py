@@ -36,14 +36,15 @@ class PerSample(Codec):
     def decoded_dtype(self, dtype):
         return self.inner.decoded_dtype(dtype)
 
-    def _parts(self, enc, index):
-        """Sample index's slices of the encoded buffers. Kept per enc (a static plan hands the
-        same arrays every step), so that the inner codec sees the same slice arrays too."""
+    def _parts(self, enc):
+        """Each sample's slices of the encoded buffers, a list by sample. Kept per enc (a static
+        plan hands the same arrays every step), so that the inner codec sees the same slice
+        arrays too."""
         kept = self._kept
         if kept is None or len(kept[0]) != len(enc) or any(kept[0].get(k) is not v for k, v in enc.items()):
             kept = self._kept = (dict(enc), [{part: array.reshape(self.batch, -1)[i] for part, array in enc.items()}
                                              for i in range(self.batch)])
-        return kept[1][index]
+        return kept[1]
 
     def density(self, xp, x):
         """The densest sample's fraction of non-zeros: what each sample's capacity must hold."""
@@ -52,22 +53,25 @@ class PerSample(Codec):
     def encode(self, xp, x, enc, ws):
         if self.data_dependent:
             return self.encode_measured(xp, x, enc, ws)[0]
+        parts = self._parts(enc)
         for index in range(self.batch):
-            self.inner.encode(xp, x[index:index + 1], self._parts(enc, index), ws)
+            self.inner.encode(xp, x[index:index + 1], parts[index], ws)
 
     def encode_measured(self, xp, x, enc, ws):
         """encode, returning (True unless a sample did not fit; the densest sample's density)."""
         fitted, densest = True, 0.0
+        parts = self._parts(enc)
         for index in range(self.batch):
-            result, density = self.inner.encode_measured(xp, x[index:index + 1], self._parts(enc, index), ws)
+            result, density = self.inner.encode_measured(xp, x[index:index + 1], parts[index], ws)
             fitted = fitted and result is not False
             densest = max(densest, density)
         return fitted, densest
 
     def decode_slice(self, xp, enc, start, stop, out, ws):
         """Samples [start, stop) into out[:stop - start]."""
+        parts = self._parts(enc)
         for index in range(start, stop):
-            self.inner.decode(xp, self._parts(enc, index), out[index - start:index - start + 1], ws)
+            self.inner.decode(xp, parts[index], out[index - start:index - start + 1], ws)
 
     def decode(self, xp, enc, out, ws):
         self.decode_slice(xp, enc, 0, self.batch, out, ws)
