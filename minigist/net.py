@@ -20,7 +20,7 @@ from .backend import get_xp, to_numpy
 from .errors import MinigistError
 from .codecs import GistConfig
 from .codecs import kernels as codec_kernels
-from .executor import SGD, DynamicExecutor, Executor, GistStats, view
+from .executor import SGD, DynamicExecutor, Executor, GistStats, new_arena, view
 from .gist import apply_gist
 from .fillers import fill
 from .graph import build_graph
@@ -146,7 +146,7 @@ class Net:
         else:
             transient = max(plan.transient_bytes for plan in self.plans.values())
         self.arena_bytes = self.persistent_bytes + transient
-        self.arena = self.xp.empty(self.arena_bytes, dtype=np.uint8)
+        self.arena = new_arena(self.xp, self.arena_bytes)
         self.arrays = {name: view(self.arena, persistent_offsets[name], buffer.shape, buffer.dtype)
                        for name, buffer in persistent.items()}
         self.executors = {}

@@ -222,6 +222,15 @@ def test_report_has_documented_fields(branchy, tmp_path):
     json.loads(json.dumps(report))
 
 
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+def test_arena_starts_on_a_page(branchy, alloc):
+    """Every planned buffer starts on a cache line: the arena on a page, offsets at 256 bytes."""
+    net = minigist.Net(branchy, alloc=alloc)
+    assert net.arena.ctypes.data % 4096 == 0 and net.arena.nbytes == net.arena_bytes
+    arrays = net.executors["train"].arrays if alloc == "static" else net.arrays
+    assert all(a.ctypes.data % 256 == 0 for a in arrays.values())
+
+
 def test_static_budget_fails_before_running(branchy):
     with pytest.raises(MemoryBudgetError, match=r"needs [\d,]+ bytes, the budget allows 1,000 bytes; largest buffers"):
         minigist.Net(branchy, alloc="static", memory_budget=1000)
