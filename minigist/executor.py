@@ -100,7 +100,10 @@ def bind_step(step, arrays, xp, solver, stats=None):
     if step.kind == "forward":
         x, y, p = _arrays(arrays, args["x"]), _arrays(arrays, args["y"]), _arrays(arrays, args["p"])
         saved, ws = _arrays(arrays, args["saved"]), _arrays(arrays, args["ws"])
-        return lambda: layer.forward(xp, x, y, p, saved, ws)
+        if step.codec is None:
+            return lambda: layer.forward(xp, x, y, p, saved, ws)
+        half = arrays[args["enc"]["codes"]]     # Gist: the layer writes its top's fp16 stash too
+        return lambda: layer.forward(xp, x, y, p, saved, ws, half=half)
     if step.kind == "backward":
         bound = [_arrays(arrays, args[role]) for role in ("x", "y", "gy", "gx", "p", "gp", "saved", "ws")]
         for name, (codec, tensor, encoded, ws) in (step.streams or {}).items():

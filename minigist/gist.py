@@ -19,7 +19,9 @@ BatchNorm's x_hat, read by its own backward and Scale's) gets no decode step and
 streamed: the readers read its DPR codes as a float16 array of the tensor's shape
 (HalfStash), each value widened to the float32 a decode would have written, so the bits are
 the same and a ResNet-20 step under `--gist all` skips 21 decodes (about 0.6 ms of a 37 ms
-step).
+step). Where the stash's producer can write the codes as it computes the tensor
+(Layer.writes_half: BatchNorm, whose last pass writes x_hat), its forward step takes the
+codes as an extra output instead of an encode step reading the tensor once more.
 
 Two backward variants replace a ReLU's stash, with the ReLU layer's own code:
 - "mask": ReLU backward from the decoded 1-bit mask (Binarize);
@@ -219,6 +221,7 @@ class _Builder:
         program = self.program
         buffers = {name: _copy(b) for name, b in program.buffers.items()}
         encodes, decodes, renames, encodings = {}, {}, {}, {}
+        written_by_producer = {}    # forward step index -> (HalfStash, its codes) it writes
         for name, (codec, extra) in self.choices.items():
             buffer = buffers[name]
             tensor = self.tensor_name(buffer)
@@ -241,10 +244,13 @@ class _Builder:
                 enc_name = f"enc:{tensor}.{part}"
                 buffers[enc_name] = Buffer(enc_name, tuple(decl.shape), np.dtype(decl.dtype), ENCODED, buffer.layer)
                 encoded[part] = enc_name
-            encode_ws = _workspace(buffers, codec.workspace(buffer.shape, "encode"), f"{tensor}.encode", buffer.layer)
-            inputs = [name] + list(extra)
-            encodes.setdefault(min(uses), []).append(Step(
-                "encode", None, {"x": inputs, "enc": encoded, "ws": encode_ws}, codec=codec, note=tensor))
+            if direct and self.producer_writes_codes(min(uses), name):
+                written_by_producer[min(uses)] = (codec, encoded)
+            else:
+                encode_ws = _workspace(buffers, codec.workspace(buffer.shape, "encode"), f"{tensor}.encode", buffer.layer)
+                inputs = [name] + list(extra)
+                encodes.setdefault(min(uses), []).append(Step(
+                    "encode", None, {"x": inputs, "enc": encoded, "ws": encode_ws}, codec=codec, note=tensor))
             if direct:  # the readers take the fp16 codes themselves: nothing to decode
                 for index in readers:
                     renames.setdefault(index, {})[name] = encoded["codes"]
@@ -268,6 +274,9 @@ class _Builder:
         steps = []
         for index, step in enumerate(self.steps):
             steps.extend(decodes.get(index, []))
+            if index in written_by_producer:
+                codec, encoded = written_by_producer[index]
+                step = Step(step.kind, step.layer, {**step.args, "enc": encoded}, codec=codec)
             steps.append(self.rewrite(index, step, renames.get(index, {}), encodings))
             steps.extend(encodes.get(index, []))
         for name in encodings:
@@ -312,6 +321,15 @@ class _Builder:
             if any(name in names_in(step.args.get(other)) for other in ("x", "y", "saved") if other != layer.stream_role):
                 return False
         return True
+
+    def producer_writes_codes(self, index, name):
+        """Whether forward step `index`, which produces the HalfStash `name` as its first top,
+        can write the stash's codes itself as it computes it (Layer.writes_half), so that no
+        encode step reads the tensor again."""
+        step = self.steps[index]
+        tops = step.args.get("y") or []
+        return (step.kind == "forward" and step.layer.writes_half()
+                and bool(tops) and tops[0] == name)
 
     # ---- streaming ----------------------------------------------------------------------
     def stream_chunk(self, name, codec):

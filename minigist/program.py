@@ -66,7 +66,8 @@ class Step:
     kind: str
     layer: object = None
     args: dict = field(default_factory=dict)
-    codec: object = None      # encode / decode steps: the codec they run
+    codec: object = None      # encode / decode steps: the codec they run; a forward step: its
+                              # top's HalfStash, which the layer writes as it runs (writes_half)
     variant: str = None       # backward steps: "mask" or "identity" when Gist changed the stash
     note: str = ""            # encode / decode steps: the tensor they work on
     streams: dict = None      # backward steps: {decoded slice buffer: (codec, tensor, enc, ws)}

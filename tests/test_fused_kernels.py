@@ -208,3 +208,83 @@ def test_convolution_unfold_and_fold_kernels_write_the_same_bytes(case, transpos
     gy = values(rng, layer.top_shapes[0], dtype, True)
     params = [fill(p.filler, p.shape, rng, dtype) for p in layer.params]
     same_on_both_paths(layer, x, gy, params, False)
+
+
+def dpr_fp16_codes(y):
+    """DPR("fp16")'s codes of the float32 array y, on the codec's integer ufunc path."""
+    from minigist.codecs.dpr import DPR
+    from minigist.codecs import kernels
+    codec = DPR("fp16")
+    enc = {k: np.empty(d.shape, d.dtype) for k, d in codec.encoded(y.shape).items()}
+    ws = {k: np.empty(d.shape, d.dtype) for k, d in codec.workspace(y.shape, "encode").items()}
+    with kernels.use_codec_kernels(False):
+        codec.encode(np, y, enc, ws)
+    return enc["codes"].reshape(y.shape)
+
+
+def every_kind_of_float32(rng):
+    """Random bit patterns (NaNs with payloads, subnormals, huge values) and fp16's edges:
+    overflow, ties to even, its subnormals and the smallest values that round to zero."""
+    bits = rng.integers(0, 1 << 32, size=4000, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([65504, 65519.99, 65520, 1e30, 2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0001, 2.0 ** -26,
+                      1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 6.1e-5, 0.0, np.inf], np.float32)
+    edges = np.concatenate([edges, -edges]).view(np.uint32)
+    quiet, signalling = np.uint32(0x7FC00001), np.uint32(0x7F800123)
+    nans = np.array([quiet, signalling, quiet | 0x80000000, signalling | 0x80000000], np.uint32)
+    return np.concatenate([bits, edges, nans]).view(np.float32)
+
+
+@pytest.mark.parametrize("path", ["kernel", "ufuncs"])
+def test_batchnorm_fp16_codes_are_dprs_for_every_kind_of_value(path):
+    """What BatchNorm writes as Gist's fp16 stash (writes_half): DPR("fp16")'s bytes."""
+    from minigist.layers import fused_kernels
+    from minigist.layers.normalization import BatchNorm
+    if path == "kernel" and not fused_kernels.HALF_OUT:
+        pytest.skip("this CPU has no F16C: the ufunc path writes the codes")
+    y = every_kind_of_float32(np.random.default_rng(35)).reshape(2, 1, -1)
+    codes = np.zeros(y.shape, np.uint16)
+    if path == "kernel":
+        written = y.copy()
+        fused_kernels.scale_channels_half(written, np.ones(1, np.float32), codes)
+        # y * 1 is y, but a signalling NaN comes out quiet, as numpy's multiply makes it
+        with np.errstate(invalid="ignore"):
+            same_bytes(written, y * np.float32(1))
+        expected = dpr_fp16_codes(written)
+    else:
+        BatchNorm._half_codes(np, y, codes, np.full(y.shape, np.nan, np.float32))
+        expected = dpr_fp16_codes(y)
+    assert codes.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["normal", "special"])
+@pytest.mark.parametrize("chunk_bytes", [None, 2 * 3 * 4 * 6 * 4])
+@pytest.mark.parametrize("inplace", [False, True], ids=["apart", "in place"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "ufuncs"])
+def test_batchnorm_forward_writes_its_fp16_stash(kernels, inplace, chunk_bytes, special):
+    """forward(..., half=codes): y the same bytes as without (a NaN's sign may differ between
+    the kernels and the ufuncs, as everywhere here), codes DPR("fp16")'s of that y."""
+    layer = make_layer(LAYERS["batchnorm"], [SHAPE])
+    assert layer.writes_half()
+    if chunk_bytes:
+        layer.chunk_bytes = chunk_bytes
+    rng = np.random.default_rng(36)
+    x = values(rng, SHAPE, np.float32, special) * np.float32(3)
+    results = []
+    for half in (None, np.zeros(SHAPE, np.float16)):
+        ws = {k: np.full(d.shape, np.nan, d.dtype or layer.dtype) for k, d in layer.workspace("forward").items()}
+        saved = {k: np.empty(d.shape, d.dtype or layer.dtype) for k, d in layer.saved.items()}
+        x_in = x.copy()
+        y = x_in if inplace else np.empty(SHAPE, np.float32)
+        with jit.use_kernels(kernels), np.errstate(all="ignore"):
+            layer.forward(np, [x_in], [y], [np.zeros(d.shape, np.float32) for d in layer.params], saved, ws, half=half)
+        results.append((y, half))
+    (reference, _), (y, codes) = results
+    same_bytes(y, reference)
+    assert codes.view(np.uint16).tobytes() == dpr_fp16_codes(y).tobytes()
+
+
+def test_layers_that_cannot_write_a_float16_stash_say_so():
+    assert not make_layer(LAYERS["relu"], [SHAPE]).writes_half()
+    assert not make_layer(LAYERS["scale"], [SHAPE]).writes_half()
+    assert not make_layer('name: "bn" type: "BatchNorm" bottom: "x" top: "y" '
+                          'batch_norm_param { use_global_stats: true }', [SHAPE]).writes_half()

@@ -73,9 +73,9 @@ def test_streamed_stashes_train_like_whole_ones(name, alloc, gist, monkeypatch):
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])
 @pytest.mark.parametrize("name,gist", [("resnet20", "lossy"), ("resnet20", "all"), ("inception_small", "all")])
 def test_fp16_stashes_read_as_they_are_train_like_decoded_ones(name, gist, alloc, kernels, monkeypatch):
-    """BatchNorm's x_hat (read by its own backward and Scale's) is kept as DPR fp16 codes
-    that both backward steps read as float16, with no decode step: the same bits as
-    decoding it to float32 first."""
+    """BatchNorm's x_hat (read by its own backward and Scale's) is kept as DPR fp16 codes,
+    written by BatchNorm's forward, that both backward steps read as float16, with no encode
+    or decode step: the same bits as encoding and decoding it to float32."""
     from minigist import jit
     with jit.use_kernels(kernels):
         net, losses = train(name, gist, alloc, steps=3)
@@ -88,6 +88,10 @@ def test_fp16_stashes_read_as_they_are_train_like_decoded_ones(name, gist, alloc
             codes = encoding.encoded[0]
             assert codes not in decoded and program.buffers[codes].dtype == np.float16
             assert any(codes in s.args["x"] + s.args["y"] for s in readers)
+        # BatchNorm writes them as it computes x_hat (writes_half): no encode step reads it again
+        written = {s.args["enc"]["codes"] for s in program.steps if s.kind == "forward" and s.codec is not None}
+        assert written == {e.encoded[0] for e in direct}
+        assert not [s for s in program.steps if s.kind == "encode" and type(s.codec).__name__ == "HalfStash"]
         # stashes read by other layers are still decoded (the input, read by conv1's backward)
         assert any(s.note == "data" for s in program.steps if s.kind == "decode")
         monkeypatch.setattr(minigist.gist._Builder, "read_as_half", lambda self, name, codec: False)

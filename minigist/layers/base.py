@@ -141,6 +141,12 @@ class Layer:
         decoded float32 copy."""
         return False
 
+    def writes_half(self):
+        """Whether forward(..., half=codes) writes its first top's DPR fp16 codes (the bytes
+        DPR("fp16") would encode, into `codes`, a float16 array of the top's shape) as it
+        computes the top: Gist then runs no encode step for that stash (BatchNorm's x_hat)."""
+        return False
+
     def inplace_safe(self, bottom_index, top_index):
         """Whether top `top_index` may overwrite bottom `bottom_index` in forward and backward."""
         return False

@@ -96,6 +96,31 @@ if numba is not None:
                         y[a, ch, i] = v
                         square[a, ch, i] = v * v
 
+    # BatchNorm's last forward pass can also write its output as Gist's fp16 stash: the codes
+    # DPR("fp16") would write from it, through F16C only (HALF_OUT; elsewhere the codec's own
+    # encode runs after the layer): round to nearest even, Inf on overflow, and NaN as the
+    # codec's canonical quiet NaN with the value's sign (the hardware keeps payloads).
+    HALF_OUT = jit.HALF
+
+    @_jit
+    def float_to_half(v):
+        """The DPR fp16 code (IEEE binary16 bits, as uint16) of the float32 v."""
+        x = np.float32(v).view(np.uint32)
+        nan = ((x >> _U32(16)) & _U32(0x8000)) | _U32(0x7E00)
+        return np.uint16(nan if (x & _U32(0x7FFFFFFF)) > _U32(0x7F800000) else jit.half_from_bits(x))
+
+    @_jit
+    def scale_channels_half(y, inv_std, codes):
+        """y *= inv_std[c] (BatchNorm forward's last pass), and codes <- y's fp16 codes."""
+        n, c, s = y.shape
+        for a in range(n):
+            for ch in range(c):
+                r = inv_std[ch]
+                for i in range(s):
+                    v = y[a, ch, i] * r
+                    y[a, ch, i] = v
+                    codes[a, ch, i] = float_to_half(v)
+
     @_jit
     def batchnorm_input_grad(gy, y, mean_gy_y, mean_gy, inv_std, gx, same):
         """gx = ((gy - y * mean_gy_y[c]) - mean_gy[c]) * inv_std[c], y float32 or binary16

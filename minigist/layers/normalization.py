@@ -138,7 +138,12 @@ class BatchNorm(Layer):
         if not first:
             xp.add(total, part, out=total)
 
-    def forward(self, xp, x, y, p, saved, ws):
+    def writes_half(self):
+        return not self.use_global      # y is the x_hat its backward reads
+
+    def forward(self, xp, x, y, p, saved, ws, half=None):
+        """`half` (writes_half): a float16 array of y's shape, which receives y's DPR fp16
+        codes in the last pass."""
         x3 = x[0].reshape(self.shape3)
         y3 = y[0].reshape(self.shape3)
         if self.use_global:
@@ -180,9 +185,33 @@ class BatchNorm(Layer):
         xp.add(var, self.eps, out=inv_std)
         xp.sqrt(inv_std, out=inv_std)
         xp.reciprocal(inv_std, out=inv_std)
+        codes = half.reshape(self.shape3).view(xp.uint16) if half is not None else None
+        fused = codes is not None and fused_kernels.HALF_OUT and jit.active(xp, y3, inv_std, codes)
         for n0 in starts:
             yc = y3[n0:n0 + chunk]
+            if fused:
+                fused_kernels.scale_channels_half(yc, inv_std, codes[n0:n0 + chunk])
+                continue
             xp.multiply(yc, inv_std[:, None], out=yc)
+            if codes is not None:
+                self._half_codes(xp, yc, codes[n0:n0 + chunk], square)
+
+    @staticmethod
+    def _half_codes(xp, y, codes, scratch):
+        """codes <- DPR("fp16")'s codes of y: IEEE binary16 rounded to nearest even, each NaN
+        as the codec's quiet NaN 0x7E00 with the value's sign (numpy's cast keeps payload
+        bits). scratch: the forward's `square` workspace, free by now (3 of its 4 bytes per
+        element hold the signs and the NaN flags)."""
+        m = y.size
+        raw = scratch.reshape(-1).view(xp.uint8)
+        sign = raw[:2 * m].view(xp.uint16).reshape(y.shape)
+        nan = raw[2 * m:3 * m].view(xp.bool_).reshape(y.shape)
+        with np.errstate(over="ignore", invalid="ignore"):     # beyond 65504: Inf, as DPR
+            xp.copyto(codes.view(xp.float16), y, casting="same_kind")
+        xp.isnan(y, out=nan)
+        xp.bitwise_and(codes, 0x8000, out=sign)
+        xp.bitwise_or(sign, 0x7E00, out=sign)
+        xp.copyto(codes, sign, where=nan)
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
