@@ -42,6 +42,12 @@ from .program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program,
 # than the bytes of one decoded copy
 STREAM_MIN_BYTES = 4 << 20
 
+# a stash smaller than this stays float32 under DPR: encoding it would save under 2 KiB
+# (BatchNorm's per-channel inv_std, a small batch's class probabilities) for an encode and a
+# decode step, each a few microseconds of Python, and would round a BatchNorm's whole gradient
+# through an fp16 inv_std
+DPR_MIN_BYTES = 4096
+
 # layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU (LRN too:
 # x * scale^-beta with scale >= k > 0 is zero exactly where x is)
 _SPARSITY_PRESERVING = {"ReLU", "Concat", "Dropout", "Flatten", "Split", "LRN"}
@@ -118,7 +124,7 @@ class _Builder:
         return next(node for node in self.graph.nodes if node.layer.name == buffer.layer)
 
     def dpr_applies(self, buffer):
-        return (self.config.lossy and buffer.dtype == np.float32
+        return (self.config.lossy and buffer.dtype == np.float32 and buffer.nbytes >= DPR_MIN_BYTES
                 and int(np.prod(buffer.shape)) > self.graph.batch_size)
 
     def ssdc_codec(self, buffer):

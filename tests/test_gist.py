@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import minigist
+from minigist.memory import align
 from minigist.codecs import register_codec, unregister_codec
 from minigist.codecs.dpr import DPR
 from minigist.errors import MinigistError
@@ -336,3 +337,15 @@ def test_an_fp16_stash_with_a_reader_that_needs_float32_is_decoded(tmp_path):
     direct = {t for t, e in encodings.items() if type(e.codec).__name__ == "HalfStash"}
     assert direct == {"blob:b2"}
     assert type(encodings["blob:b0"].codec) is DPR and encodings["blob:b0"].decoded
+
+
+def test_dpr_leaves_stashes_under_4_kib_as_they_are():
+    """BatchNorm's per-channel inv_std (16 to 64 floats) stays float32 under `lossy`: fp16 would
+    save under 2 KiB for an encode and a decode step; its x_hat, a feature map, is fp16."""
+    net = minigist.Net(model("resnet20"), batch_size=4, gist="lossy")
+    table = stash_table(net)
+    small = {t: r for t, r in table.items() if r["raw_bytes"] < minigist.gist.DPR_MIN_BYTES}
+    assert any(t.endswith(".inv_std") for t in small)
+    assert all(r["encoding"] == "fp32" and r["stored_bytes"] == align(r["raw_bytes"]) for r in small.values())
+    assert table["conv1@conv1/bn"]["encoding"] == "fp16"
+    assert all(r["encoding"] == "fp16" for r in table.values() if r["raw_bytes"] >= minigist.gist.DPR_MIN_BYTES)
