@@ -42,10 +42,10 @@ from .program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program,
 # than the bytes of one decoded copy
 STREAM_MIN_BYTES = 4 << 20
 
-# a stash smaller than this stays float32 under DPR: encoding it would save under 2 KiB
-# (BatchNorm's per-channel inv_std, a small batch's class probabilities) for an encode and a
-# decode step, each a few microseconds of Python, and would round a BatchNorm's whole gradient
-# through an fp16 inv_std
+# DPR encodes feature maps (a batch axis first) of at least this many bytes. A smaller one (a
+# small batch's class probabilities) would save under 2 KiB for an encode and a decode step of
+# a few microseconds each. Per-channel vectors are no feature maps: BatchNorm's inv_std in fp16
+# would save as little and round the layer's whole input gradient.
 DPR_MIN_BYTES = 4096
 
 # layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU (LRN too:
@@ -125,7 +125,7 @@ class _Builder:
 
     def dpr_applies(self, buffer):
         return (self.config.lossy and buffer.dtype == np.float32 and buffer.nbytes >= DPR_MIN_BYTES
-                and int(np.prod(buffer.shape)) > self.graph.batch_size)
+                and len(buffer.shape) >= 2 and buffer.shape[0] == self.graph.batch_size)
 
     def ssdc_codec(self, buffer):
         """SSDC sized by the measured density, if it beats the dense tensor; else None."""

@@ -339,13 +339,18 @@ def test_an_fp16_stash_with_a_reader_that_needs_float32_is_decoded(tmp_path):
     assert type(encodings["blob:b0"].codec) is DPR and encodings["blob:b0"].decoded
 
 
-def test_dpr_leaves_stashes_under_4_kib_as_they_are():
-    """BatchNorm's per-channel inv_std (16 to 64 floats) stays float32 under `lossy`: fp16 would
-    save under 2 KiB for an encode and a decode step; its x_hat, a feature map, is fp16."""
-    net = minigist.Net(model("resnet20"), batch_size=4, gist="lossy")
+@pytest.mark.parametrize("name,batch", [("resnet20", 4), ("resnet50", 2)])
+def test_dpr_encodes_feature_maps_of_4_kib_and_more(name, batch):
+    """Under `lossy`, BatchNorm's per-channel inv_std stays float32, small (ResNet-20's 16-64
+    floats) or not (ResNet-50's up to 2048), and so does a feature map under 4 KiB (ResNet-20's
+    class probabilities; ResNet-50's, 8000 bytes, are fp16); every other float stash is a
+    feature map and fp16 (the max pool's argmax stays uint8)."""
+    net = minigist.Net(model(name), batch_size=batch, gist="lossy")
     table = stash_table(net)
-    small = {t: r for t, r in table.items() if r["raw_bytes"] < minigist.gist.DPR_MIN_BYTES}
-    assert any(t.endswith(".inv_std") for t in small)
-    assert all(r["encoding"] == "fp32" and r["stored_bytes"] == align(r["raw_bytes"]) for r in small.values())
-    assert table["conv1@conv1/bn"]["encoding"] == "fp16"
-    assert all(r["encoding"] == "fp16" for r in table.values() if r["raw_bytes"] >= minigist.gist.DPR_MIN_BYTES)
+    kept = {t: r for t, r in table.items() if r["tensor"].endswith(".inv_std")
+            or r["raw_bytes"] < minigist.gist.DPR_MIN_BYTES}
+    assert any(r["raw_bytes"] >= 8192 for t, r in kept.items() if t.endswith(".inv_std")) == (name == "resnet50")
+    assert ("loss.prob" in kept) == (name == "resnet20")
+    assert all(r["encoding"] == "fp32" and r["stored_bytes"] == align(r["raw_bytes"]) for r in kept.values())
+    others = [r for t, r in table.items() if t not in kept and not t.endswith(".argmax")]
+    assert others and all(r["encoding"] == "fp16" and r["shape"][0] == batch for r in others)

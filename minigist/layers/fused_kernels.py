@@ -97,11 +97,10 @@ if numba is not None:
                         square[a, ch, i] = v * v
 
     # BatchNorm's last forward pass can also write its output as Gist's fp16 stash: the codes
-    # DPR("fp16") would write from it, through F16C only (HALF_OUT; elsewhere the codec's own
-    # encode runs after the layer): round to nearest even, Inf on overflow, and NaN as the
-    # codec's canonical quiet NaN with the value's sign (the hardware keeps payloads).
-    HALF_OUT = jit.HALF
-
+    # DPR("fp16") would write from it, through F16C only (jit.HALF; without it BatchNorm
+    # writes them with numpy's cast, BatchNorm._half_codes): round to nearest even, Inf on
+    # overflow, and NaN as the codec's canonical quiet NaN with the value's sign (the
+    # hardware keeps payloads).
     @_jit
     def float_to_half(v):
         """The DPR fp16 code (IEEE binary16 bits, as uint16) of the float32 v."""

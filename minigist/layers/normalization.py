@@ -139,7 +139,8 @@ class BatchNorm(Layer):
             xp.add(total, part, out=total)
 
     def writes_half(self):
-        return not self.use_global      # y is the x_hat its backward reads
+        # y is the x_hat its backward reads; DPR encodes float32 only
+        return not self.use_global and self.dtype == np.float32
 
     def forward(self, xp, x, y, p, saved, ws, half=None):
         """`half` (writes_half): a float16 array of y's shape, which receives y's DPR fp16
@@ -147,6 +148,8 @@ class BatchNorm(Layer):
         x3 = x[0].reshape(self.shape3)
         y3 = y[0].reshape(self.shape3)
         if self.use_global:
+            if half is not None:
+                raise ValueError(f"{self.name}: with use_global_stats BatchNorm writes no fp16 stash")
             mean, inv_std = self._global_stats(xp, p)
             xp.subtract(x3, mean[:, None], out=y3)
             xp.multiply(y3, inv_std[:, None], out=y3)
@@ -186,7 +189,7 @@ class BatchNorm(Layer):
         xp.sqrt(inv_std, out=inv_std)
         xp.reciprocal(inv_std, out=inv_std)
         codes = half.reshape(self.shape3).view(xp.uint16) if half is not None else None
-        fused = codes is not None and fused_kernels.HALF_OUT and jit.active(xp, y3, inv_std, codes)
+        fused = codes is not None and jit.HALF and jit.active(xp, y3, inv_std, codes)
         for n0 in starts:
             yc = y3[n0:n0 + chunk]
             if fused:
@@ -198,10 +201,11 @@ class BatchNorm(Layer):
 
     @staticmethod
     def _half_codes(xp, y, codes, scratch):
-        """codes <- DPR("fp16")'s codes of y: IEEE binary16 rounded to nearest even, each NaN
-        as the codec's quiet NaN 0x7E00 with the value's sign (numpy's cast keeps payload
-        bits). scratch: the forward's `square` workspace, free by now (3 of its 4 bytes per
-        element hold the signs and the NaN flags)."""
+        """codes <- DPR("fp16")'s codes of the float32 y: IEEE binary16 rounded to nearest
+        even, each NaN as the codec's quiet NaN 0x7E00 with the sign of y's value (numpy's
+        cast keeps payload bits, CUDA's drops the sign). scratch: the forward's `square`
+        workspace, free by now (3 of its 4 bytes per element hold the signs and the NaN
+        flags)."""
         m = y.size
         raw = scratch.reshape(-1).view(xp.uint8)
         sign = raw[:2 * m].view(xp.uint16).reshape(y.shape)
@@ -209,7 +213,8 @@ class BatchNorm(Layer):
         with np.errstate(over="ignore", invalid="ignore"):     # beyond 65504: Inf, as DPR
             xp.copyto(codes.view(xp.float16), y, casting="same_kind")
         xp.isnan(y, out=nan)
-        xp.bitwise_and(codes, 0x8000, out=sign)
+        xp.right_shift(y.view(xp.uint32), 16, out=sign, casting="unsafe")
+        xp.bitwise_and(sign, 0x8000, out=sign)
         xp.bitwise_or(sign, 0x7E00, out=sign)
         xp.copyto(codes, sign, where=nan)
 
