@@ -3,13 +3,13 @@
 They compute what Pooling's `xp` code computes, byte for byte: the same comparisons in the
 same order, so the same outputs, argmax maps and gradients (tests/test_pool_kernels.py).
 The `xp` code makes kh*kw passes over the whole tensor, each of several ufuncs, after a
-padded copy of the input. The kernels work one (sample, channel) plane at a time: at stride
-1 the plane goes into a bordered frame (one plane's worth, allocated once per call) where each
-window offset is one long contiguous loop; the strided backward reads and writes the plane
+padded copy of the input. The kernels work one (sample, channel) plane at a time: the
+forward copies the plane into a bordered frame (one plane's worth, allocated once per call;
+deinterleaved by the stride) where each window offset is one long contiguous loop; the
+stride-1 overlapping backward does the same; the strided backward reads and writes the plane
 where it lies (a window element outside the input is the `xp` code's padding: -inf never
 wins, and what the `xp` code adds into its padded buffer outside the input is thrown away).
-The layer still declares its own workspaces, so plans do not depend on numba. Strided
-forward pooling stays with the `xp` code (see max_forward).
+The layer still declares its own workspaces, so plans do not depend on numba.
 
 Matching the `xp` code's order:
 - forward: offset 0 initialises y and argmax; for each later offset k (row-major),
@@ -44,21 +44,49 @@ if numba is not None:
     _U = np.uint64
 
     @_jit
+    def _window_maxima(frame, wide, codes, bases, size):
+        """wide, codes <- the running maximum and its argmax code over the window offsets k,
+        offset k's elements at frame[bases[k]:bases[k] + size] (the `xp` code's order)."""
+        for k in range(bases.size):
+            base = _U(bases[k])
+            if k == 0:
+                for t in range(size):
+                    wide[t] = frame[base + t]
+                    codes[t] = 0
+                continue
+            for t in range(size):
+                v = frame[base + t]
+                best = wide[t]
+                if v > best:
+                    codes[t] = k
+                wide[t] = v if (v >= best or v != v) else best
+
+    @_jit
+    def _copy_out(wide, codes, width, y, argmax, s, ch, clamp, floor):
+        oh, ow = y.shape[2], y.shape[3]
+        for r in range(oh):
+            for q in range(ow):
+                v = wide[r * width + q]
+                if clamp and v < floor:
+                    v = floor
+                y[s, ch, r, q] = v
+                argmax[s, ch, r, q] = codes[r * width + q]
+
+    @_jit
     def max_forward(x, y, argmax, ph, pw, kh, kw, clamp, low, floor):
         """y, argmax <- MAX pooling of x with stride 1; `low` is -inf, `floor` Caffe's
         -FLT_MAX (applied when `clamp`: some window holds no input), both of y's dtype.
         Each plane is copied into a -inf bordered frame of width wb, and the outputs are
         computed at the frame's width (wb - ow columns of garbage per row), so that each
         window offset is one long contiguous loop (rows of 8-32 outputs are too short for
-        the vector loops); the valid columns are copied out at the end. (Strided pooling
-        stays with the xp code: a kernel reading every second element measured 2.5x
-        slower than numpy's strided passes.)"""
+        the vector loops); the valid columns are copied out at the end."""
         n, c, h, w = x.shape
         oh, ow = y.shape[2], y.shape[3]
         hb, wb = oh + kh - 1, ow + kw - 1
         frame = np.empty(hb * wb + kw, x.dtype)     # + kw: the last row's garbage reads
         wide = np.empty(oh * wb, y.dtype)
         codes = np.empty(oh * wb, argmax.dtype)
+        bases = np.array([i * wb + j for i in range(kh) for j in range(kw)], np.int64)
         size = _U(oh * wb)
         for s in range(n):
             for ch in range(c):
@@ -68,28 +96,41 @@ if numba is not None:
                     if a + ph < hb:
                         for b in range(min(w, wb - pw)):
                             frame[(a + ph) * wb + b + pw] = x[s, ch, a, b]
-                for i in range(kh):
-                    for j in range(kw):
-                        k = i * kw + j
-                        base = _U(i * wb + j)
-                        if k == 0:
-                            for t in range(size):
-                                wide[t] = frame[t]
-                                codes[t] = 0
-                            continue
-                        for t in range(size):
-                            v = frame[base + t]
-                            best = wide[t]
-                            if v > best:
-                                codes[t] = k
-                            wide[t] = v if (v >= best or v != v) else best
-                for r in range(oh):
-                    for q in range(ow):
-                        v = wide[r * wb + q]
-                        if clamp and v < floor:
-                            v = floor
-                        y[s, ch, r, q] = v
-                        argmax[s, ch, r, q] = codes[r * wb + q]
+                _window_maxima(frame, wide, codes, bases, size)
+                _copy_out(wide, codes, wb, y, argmax, s, ch, clamp, floor)
+
+    @_jit
+    def max_forward_strided(x, y, argmax, ph, pw, sh, sw, kh, kw, clamp, low, floor):
+        """max_forward with a stride: the frame holds the plane deinterleaved, buffer row R
+        at row-phase R % sh, row R // sh, and column C at column-phase C % sw, column C // sw,
+        so that window offset (i, j) of consecutive outputs sits at consecutive places of its
+        phases and is again one contiguous loop (reading every second element of a plain
+        frame was 2.5x slower than numpy's strided passes)."""
+        n, c, h, w = x.shape
+        oh, ow = y.shape[2], y.shape[3]
+        hb, wb = (oh - 1) * sh + kh, (ow - 1) * sw + kw     # the rows / cols windows reach
+        rows, cols = -(-hb // sh), -(-wb // sw)              # per phase
+        width = sw * cols
+        frame = np.empty((sh * rows + 1) * width, x.dtype)  # + a row: the garbage columns' reads
+        wide = np.empty(oh * width, y.dtype)
+        codes = np.empty(oh * width, argmax.dtype)
+        bases = np.array([((i % sh) * rows + i // sh) * width + (j % sw) * cols + j // sw
+                          for i in range(kh) for j in range(kw)], np.int64)
+        size = _U(oh * width)
+        for s in range(n):
+            for ch in range(c):
+                frame[:] = low
+                for a in range(min(h, hb - ph)):
+                    row = a + ph
+                    start = ((row % sh) * rows + row // sh) * width
+                    for phase in range(sw):     # buffer column m * sw + phase: input column - pw
+                        dst = start + phase * cols
+                        for m in range(cols):
+                            b = m * sw + phase - pw
+                            if b >= 0 and b < w and b + pw < wb:
+                                frame[dst + m] = x[s, ch, a, b]
+                _window_maxima(frame, wide, codes, bases, size)
+                _copy_out(wide, codes, width, y, argmax, s, ch, clamp, floor)
 
     @_jit
     def max_backward(index, gy, gx, ph, pw, sh, sw, kh, kw, disjoint, zero, one, nil):

@@ -6,9 +6,9 @@ operations with no Python loop over positions. Where windows reach into padding 
 ceil-mode overhang, the input is first copied into a declared workspace buffer that covers
 every window, filled with -inf (MAX: padding never wins) or 0 (AVE: padding adds nothing).
 
-With numba installed (minigist/jit.py), MAX pooling's backward (and its forward at stride
-1) runs compiled kernels instead (minigist/layers/pool_kernels.py): a pass per plane, no
-padded copy of the whole chunk, the same bytes.
+With numba installed (minigist/jit.py), MAX pooling's forward and backward run compiled
+kernels instead (minigist/layers/pool_kernels.py): a pass per plane, no padded copy of the
+whole chunk, the same bytes.
 
 MAX keeps only the saved `argmax` map: the index ki*kw+kj of each output's winner inside its
 window (the first maximum in row-major window order wins ties, as in Caffe), as uint8 when the
@@ -204,11 +204,15 @@ class Pooling(Layer):
                 xp.sum(x3, axis=2, out=y2)
                 xp.divide(y2, h * w, out=y2)
             return
-        if self.method == "MAX" and self.stride == (1, 1) and jit.active(xp, x0, y0, saved["argmax"]):
-            (ph, pw), (kh, kw) = self.pad, self.kernel
+        if self.method == "MAX" and jit.active(xp, x0, y0, saved["argmax"]):
+            (ph, pw), (sh, sw), (kh, kw) = self.pad, self.stride, self.kernel
             dtype = y0.dtype.type
-            pool_kernels.max_forward(x0, y0, saved["argmax"], ph, pw, kh, kw,
-                                     self.empty_windows, dtype(-np.inf), dtype(-_FLT_MAX))
+            low, floor = dtype(-np.inf), dtype(-_FLT_MAX)
+            if (sh, sw) == (1, 1):
+                pool_kernels.max_forward(x0, y0, saved["argmax"], ph, pw, kh, kw, self.empty_windows, low, floor)
+            else:
+                pool_kernels.max_forward_strided(x0, y0, saved["argmax"], ph, pw, sh, sw, kh, kw,
+                                                 self.empty_windows, low, floor)
             return
         chunk = ws["wins" if self.method == "MAX" else "xpad"].shape[0] if ws else n
         for n0 in range(0, n, chunk):
