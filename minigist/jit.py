@@ -74,9 +74,10 @@ def _host_has(*features):
 
 # F16C's conversions between float32 and IEEE binary16 (vcvtps2ph / vcvtph2ps: LLVM's fptrunc
 # and fpext to half, 8 or 16 lanes per instruction), as uint32 bit patterns: half_from_bits
-# rounds to nearest even; bits_from_half is exact. Their callers fix up NaNs themselves. Without
-# F16C LLVM would lower them to a library call the JIT cannot link (the process aborts), so
-# there they are stand-ins returning 0, for branches that are never taken.
+# rounds to nearest even; bits_from_half is exact. dpr_half_code and float_bits_of_half add
+# DPR fp16's NaN rules (the codecs' kernels and the layers' use them). Without F16C LLVM would
+# lower the conversions to a library call the JIT cannot link (the process aborts), so there
+# they are stand-ins returning 0, for branches that are never taken.
 HALF = _host_has("f16c")
 
 if numba is not None:
@@ -105,3 +106,21 @@ if numba is not None:
         @numba.njit(cache=True)
         def bits_from_half(code):
             return np.uint32(0)
+
+    _U32 = np.uint32
+
+    @numba.njit(cache=True, nogil=True)
+    def dpr_half_code(bits):
+        """DPR fp16's code of the float32 bits (as uint32): IEEE binary16 rounded to nearest
+        even, and a NaN as the quiet NaN 0x7E00 with its sign (the hardware keeps payloads)."""
+        nan = ((bits >> _U32(16)) & _U32(0x8000)) | _U32(0x7E00)
+        return nan if (bits & _U32(0x7FFFFFFF)) > _U32(0x7F800000) else half_from_bits(bits)
+
+    @numba.njit(cache=True, nogil=True)
+    def float_bits_of_half(code):
+        """The float32 bits of the binary16 code, Inf and NaN by their bits (the hardware
+        quiets a signalling NaN; numpy's cast keeps it)."""
+        w = _U32(code)
+        a = w & _U32(0x7FFF)
+        special = _U32(0x7F800000) | ((a & _U32(0x3FF)) << _U32(13)) | ((w >> _U32(15)) << _U32(31))
+        return special if a >= _U32(0x7C00) else bits_from_half(w)

@@ -128,14 +128,13 @@ if numba is not None:
     # subnormals, overflow to Inf and signed zeros are IEEE's, as in the integer path; NaNs are
     # fixed up to the integer path's codes (the hardware keeps payloads: encode writes the
     # canonical quiet NaN instead, decode of a signalling-NaN code keeps it signalling).
-    _half_from_bits, _bits_from_half = jit.half_from_bits, jit.bits_from_half
+    _dpr_half_code, _float_bits_of_half = jit.dpr_half_code, jit.float_bits_of_half
 
     @_jit
     def _encode_one(x, p):
         """float32 bits x -> DPR code (as uint32), exactly as DPR._encode_core."""
         if p[14]:                         # fp16 on F16C
-            nan = ((x >> _U32(16)) & _U32(0x8000)) | _U32(0x7E00)
-            return nan if (x & _U32(0x7FFFFFFF)) > _U32(0x7F800000) else _half_from_bits(x)
+            return _dpr_half_code(x)
         shift, round_add, has_inf, top = _U32(p[0]), _U32(p[1]), p[2], _U32(p[3])
         min_normal, sign_bit, sign_shift = _U32(p[4]), _U32(p[5]), _U32(p[6])
         a = x & _U32(0x7FFFFFFF)
@@ -158,10 +157,7 @@ if numba is not None:
     def _decode_one(c, p):
         """DPR code c -> float32 bits, exactly as DPR._decode_core."""
         if p[14]:                         # fp16 on F16C
-            w = _U32(c)
-            a = w & _U32(0x7FFF)
-            special = _U32(0x7F800000) | ((a & _U32(0x3FF)) << _U32(13)) | ((w >> _U32(15)) << _U32(31))
-            return special if a >= _U32(0x7C00) else _bits_from_half(w)
+            return _float_bits_of_half(c)
         shift, abs_mask, special, adj = _U32(p[0]), _U32(p[9]), _U32(p[10]), _U32(p[11])
         mantissa_bits = _U32(p[8])
         w = _U32(c) & abs_mask

@@ -54,10 +54,7 @@ if numba is not None:
         """half_bits_to_float through F16C's conversion, which vectorises (2x as fast in
         BatchNorm's backward product); Inf and NaN by their bits, since the hardware quiets a
         signalling NaN."""
-        w = _U32(h)
-        a = w & _U32(0x7FFF)
-        special = _U32(0x7F800000) | ((a & _U32(0x3FF)) << _U32(13)) | ((w >> _U32(15)) << _U32(31))
-        return _U32(special if a >= _U32(0x7C00) else jit.bits_from_half(w)).view(np.float32)
+        return _U32(jit.float_bits_of_half(h)).view(np.float32)
 
     half_to_float = half_f16c_to_float if jit.HALF else half_bits_to_float
 
@@ -96,21 +93,11 @@ if numba is not None:
                         y[a, ch, i] = v
                         square[a, ch, i] = v * v
 
-    # BatchNorm's last forward pass can also write its output as Gist's fp16 stash: the codes
-    # DPR("fp16") would write from it, through F16C only (jit.HALF; without it BatchNorm
-    # writes them with numpy's cast, BatchNorm._half_codes): round to nearest even, Inf on
-    # overflow, and NaN as the codec's canonical quiet NaN with the value's sign (the
-    # hardware keeps payloads).
-    @_jit
-    def float_to_half(v):
-        """The DPR fp16 code (IEEE binary16 bits, as uint16) of the float32 v."""
-        x = np.float32(v).view(np.uint32)
-        nan = ((x >> _U32(16)) & _U32(0x8000)) | _U32(0x7E00)
-        return np.uint16(nan if (x & _U32(0x7FFFFFFF)) > _U32(0x7F800000) else jit.half_from_bits(x))
-
     @_jit
     def scale_channels_half(y, inv_std, codes):
-        """y *= inv_std[c] (BatchNorm forward's last pass), and codes <- y's fp16 codes."""
+        """y *= inv_std[c] (BatchNorm forward's last pass), and codes <- y's DPR fp16 codes
+        (uint16), through F16C only (jit.HALF; without it BatchNorm writes them with numpy's
+        cast, BatchNorm._half_codes)."""
         n, c, s = y.shape
         for a in range(n):
             for ch in range(c):
@@ -118,7 +105,7 @@ if numba is not None:
                 for i in range(s):
                     v = y[a, ch, i] * r
                     y[a, ch, i] = v
-                    codes[a, ch, i] = float_to_half(v)
+                    codes[a, ch, i] = np.uint16(jit.dpr_half_code(np.float32(v).view(np.uint32)))
 
     @_jit
     def batchnorm_input_grad(gy, y, mean_gy_y, mean_gy, inv_std, gx, same):

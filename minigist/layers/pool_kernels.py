@@ -73,39 +73,17 @@ if numba is not None:
                 argmax[s, ch, r, q] = codes[r * width + q]
 
     @_jit
-    def max_forward(x, y, argmax, ph, pw, kh, kw, clamp, low, floor):
-        """y, argmax <- MAX pooling of x with stride 1; `low` is -inf, `floor` Caffe's
-        -FLT_MAX (applied when `clamp`: some window holds no input), both of y's dtype.
-        Each plane is copied into a -inf bordered frame of width wb, and the outputs are
-        computed at the frame's width (wb - ow columns of garbage per row), so that each
-        window offset is one long contiguous loop (rows of 8-32 outputs are too short for
-        the vector loops); the valid columns are copied out at the end."""
-        n, c, h, w = x.shape
-        oh, ow = y.shape[2], y.shape[3]
-        hb, wb = oh + kh - 1, ow + kw - 1
-        frame = np.empty(hb * wb + kw, x.dtype)     # + kw: the last row's garbage reads
-        wide = np.empty(oh * wb, y.dtype)
-        codes = np.empty(oh * wb, argmax.dtype)
-        bases = np.array([i * wb + j for i in range(kh) for j in range(kw)], np.int64)
-        size = _U(oh * wb)
-        for s in range(n):
-            for ch in range(c):
-                frame[:] = low
-                for a in range(h):
-                    # the input rows/cols that some window reaches (FLOOR mode may drop some)
-                    if a + ph < hb:
-                        for b in range(min(w, wb - pw)):
-                            frame[(a + ph) * wb + b + pw] = x[s, ch, a, b]
-                _window_maxima(frame, wide, codes, bases, size)
-                _copy_out(wide, codes, wb, y, argmax, s, ch, clamp, floor)
-
-    @_jit
-    def max_forward_strided(x, y, argmax, ph, pw, sh, sw, kh, kw, clamp, low, floor):
-        """max_forward with a stride: the frame holds the plane deinterleaved, buffer row R
-        at row-phase R % sh, row R // sh, and column C at column-phase C % sw, column C // sw,
-        so that window offset (i, j) of consecutive outputs sits at consecutive places of its
-        phases and is again one contiguous loop (reading every second element of a plain
-        frame was 2.5x slower than numpy's strided passes)."""
+    def max_forward(x, y, argmax, ph, pw, sh, sw, kh, kw, clamp, low, floor):
+        """y, argmax <- MAX pooling of x; `low` is -inf, `floor` Caffe's -FLT_MAX (applied
+        when `clamp`: some window holds no input), both of y's dtype. Each plane is copied
+        into a -inf bordered frame and the outputs are computed at the frame's row width
+        (garbage columns past ow), so that each window offset is one long contiguous loop
+        (rows of 8-32 outputs are too short for the vector loops); the valid columns are
+        copied out at the end. With a stride the frame holds the plane deinterleaved: buffer
+        row R at row-phase R % sh, row R // sh, and column C at column-phase C % sw, column
+        C // sw, so that window offset (i, j) of consecutive outputs sits at consecutive
+        places of its phases (reading every second element of a plain frame was 2.5x slower
+        than numpy's strided passes)."""
         n, c, h, w = x.shape
         oh, ow = y.shape[2], y.shape[3]
         hb, wb = (oh - 1) * sh + kh, (ow - 1) * sw + kw     # the rows / cols windows reach
@@ -121,8 +99,13 @@ if numba is not None:
             for ch in range(c):
                 frame[:] = low
                 for a in range(min(h, hb - ph)):
+                    # the input rows/cols that some window reaches (FLOOR mode may drop some)
                     row = a + ph
                     start = ((row % sh) * rows + row // sh) * width
+                    if sw == 1:
+                        for b in range(min(w, wb - pw)):
+                            frame[start + b + pw] = x[s, ch, a, b]
+                        continue
                     for phase in range(sw):     # buffer column m * sw + phase: input column - pw
                         dst = start + phase * cols
                         for m in range(cols):

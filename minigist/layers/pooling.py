@@ -207,12 +207,8 @@ class Pooling(Layer):
         if self.method == "MAX" and jit.active(xp, x0, y0, saved["argmax"]):
             (ph, pw), (sh, sw), (kh, kw) = self.pad, self.stride, self.kernel
             dtype = y0.dtype.type
-            low, floor = dtype(-np.inf), dtype(-_FLT_MAX)
-            if (sh, sw) == (1, 1):
-                pool_kernels.max_forward(x0, y0, saved["argmax"], ph, pw, kh, kw, self.empty_windows, low, floor)
-            else:
-                pool_kernels.max_forward_strided(x0, y0, saved["argmax"], ph, pw, sh, sw, kh, kw,
-                                                 self.empty_windows, low, floor)
+            pool_kernels.max_forward(x0, y0, saved["argmax"], ph, pw, sh, sw, kh, kw,
+                                     self.empty_windows, dtype(-np.inf), dtype(-_FLT_MAX))
             return
         chunk = ws["wins" if self.method == "MAX" else "xpad"].shape[0] if ws else n
         for n0 in range(0, n, chunk):
