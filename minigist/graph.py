@@ -277,15 +277,18 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
 
 
 def _with_added_loss(specs, phase, current, blobs, added):
-    """The file's layer specs, then a label Input, a SoftmaxWithLoss on the scores (and in the
-    TEST phase an Accuracy, as a train_val file has): the
-    bottom of a final Softmax (a deploy file's "prob", which then runs in the TEST phase
-    only, as in a train_val file) or else the first top of the last layer. It runs as
-    build_graph consumes it, so `current` and `blobs` hold every layer built before the spec
-    it is asked for; `added["text"]` says what it appended."""
-    held, layer_names = None, set()
+    """The file's layer specs, then a SoftmaxWithLoss on the scores (in the TEST phase an
+    Accuracy too, as a train_val file has). The scores are the bottom of a final Softmax (a
+    deploy file's "prob", which then runs in the TEST phase only, as in a train_val file), or
+    else the first top of the last layer. The labels are a data layer's second top where the
+    file has one, else a new label Input of one label per sample. It runs as build_graph
+    consumes it, so `current` and `blobs` hold every layer built before the spec it is asked
+    for; `added["text"]` says what it appended."""
+    held, layer_names, data_label = None, set(), None
     for spec in specs:
         cls = LAYER_TYPES.get(spec.type)
+        if cls is not None and cls.is_data and spec.type != "Input" and len(spec.tops) == 2 and not data_label:
+            data_label = spec.tops[1]      # a data layer's (data, label) pair: feed that label
         if cls is not None and cls.is_loss:
             raise ModelFileError(spec.path, spec.line, f"--add-loss: the model already has a loss layer "
                                  f"'{spec.name}'; add a loss only to a file without one (a deploy file)")
@@ -310,24 +313,30 @@ def _with_added_loss(specs, phase, current, blobs, added):
         scores = held.tops[0]
         chosen = f"'{scores}', the output of the last layer '{held.name}'"
     taken = set(current) | layer_names
-    label = _free_name("label", taken)
+    label = data_label or _free_name("label", taken)
     loss = _free_name("loss", taken | {label})
-    batch = blobs[current[scores]].shape[0]
-    input_msg = prototxt.Msg("LayerParameter", held.line)
-    input_param = prototxt.Msg("InputParameter", held.line)
-    label_shape = prototxt.Msg("BlobShape", held.line)
-    label_shape.fields = [("dim", batch, held.line)]
-    input_param.fields.append(("shape", label_shape, held.line))
-    input_msg.fields.append(("input_param", input_param, held.line))
-    yield LayerSpec(name=label, type="Input", bottoms=[], tops=[label], msg=input_msg,
-                    path=held.path, line=held.line, phase=phase)
+    if data_label is None:
+        yield _label_input_spec(label, blobs[current[scores]].shape[0], held)
     yield LayerSpec(name=loss, type="SoftmaxWithLoss", bottoms=[scores, label], tops=[loss],
                     msg=prototxt.Msg("LayerParameter", held.line), path=held.path, line=held.line,
                     phase=phase)
-    added["text"] = f"SoftmaxWithLoss '{loss}' on {chosen}, with the label input '{label}'"
+    added["text"] = (f"SoftmaxWithLoss '{loss}' on {chosen}, with the label "
+                     + (f"'{label}' of the data layer" if data_label else f"input '{label}'"))
     if phase == "TEST":     # what a train_val file measures on held-out data
         accuracy = _free_name("accuracy", taken | {label, loss})
         yield LayerSpec(name=accuracy, type="Accuracy", bottoms=[scores, label], tops=[accuracy],
                         msg=prototxt.Msg("LayerParameter", held.line), path=held.path, line=held.line,
                         phase=phase)
         added["text"] += f", and an Accuracy '{accuracy}'"
+
+
+def _label_input_spec(label, batch, near):
+    """An Input layer giving `batch` integer labels (as float, like Caffe's data layers)."""
+    msg = prototxt.Msg("LayerParameter", near.line)
+    input_param = prototxt.Msg("InputParameter", near.line)
+    shape = prototxt.Msg("BlobShape", near.line)
+    shape.fields = [("dim", batch, near.line)]
+    input_param.fields.append(("shape", shape, near.line))
+    msg.fields.append(("input_param", input_param, near.line))
+    return LayerSpec(name=label, type="Input", bottoms=[], tops=[label], msg=msg, path=near.path,
+                     line=near.line, phase=near.phase)

@@ -391,6 +391,10 @@ def summary(graph):
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.append(f"parameters: {graph.param_count()}")
+    if graph.added_loss:
+        lines.append(f"added loss: {graph.added_loss}")
+    elif not graph.loss_weights:
+        lines.append("forward only: no loss layer (add_loss=True, train.py --add-loss, appends a SoftmaxWithLoss)")
     return "\n".join(lines)
 
 

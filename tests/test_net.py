@@ -247,6 +247,9 @@ def test_deploy_file_plans_forward_only_and_says_so():
     assert report["forward_only"] is True and report["forward_only_reason"] == "no loss layer"
     assert report["backward_peak_bytes"] == 0
     assert "forward only: no loss layer" in format_report(report)
+    assert minigist.summary(minigist.build_graph(TINY_DEPLOY)).splitlines()[-1].startswith("forward only: no loss layer")
+    assert minigist.summary(minigist.build_graph(TINY_DEPLOY, add_loss=True)).splitlines()[-1].startswith(
+        "added loss: SoftmaxWithLoss 'loss' on 'fc'")
     trained = plan_footprint(TINY_DEPLOY, add_loss=True)
     assert trained["forward_only"] is False and "forward_only_reason" not in trained
     assert trained["backward_peak_bytes"] > 0 and trained["footprint_bytes"] > report["footprint_bytes"]

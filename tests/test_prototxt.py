@@ -1041,3 +1041,12 @@ def test_add_loss_without_a_final_softmax_and_on_a_file_that_has_a_loss():
     assert "'fc', the output of the last layer 'fc'" in graph.added_loss
     with pytest.raises(ModelFileError, match="--add-loss: the model already has a loss layer 'loss'"):
         build_graph(NIN_TAIL, add_loss=True)
+
+
+def test_add_loss_feeds_the_label_of_a_data_layer_that_has_one():
+    text = NIN_TAIL.read_text().split("layers {\n  name: \"loss\"")[0]
+    graph = build_graph(text, add_loss=True, path="n.prototxt")
+    assert names(graph) == ["data", "cccp8", "relu_cccp8", "pool4", "loss"]
+    assert graph.node_of("loss").bottoms == ["pool4", "label"]
+    assert graph.added_loss == ("SoftmaxWithLoss 'loss' on 'pool4', the output of the last layer 'pool4', "
+                                "with the label 'label' of the data layer")
