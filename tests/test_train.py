@@ -442,3 +442,10 @@ def test_deploy_file_trains_with_add_loss(data, capsys):
     out = capsys.readouterr().out
     assert "added loss: SoftmaxWithLoss 'loss' on 'fc'" in out
     assert "epoch 1/1 (partial)" in out and "held-out acc" in out
+
+
+def test_a_bottom_from_a_phase_excluded_layer_is_a_one_line_error():
+    model = os.path.join(ROOT, "tests", "data", "phase_excluded.prototxt")
+    one_line_error(run_cli("--model", model, "--data", "synthetic", "--iters", 1),
+                   "phase_excluded.prototxt:19: layer 'accuracy': bottom 'scores' comes only from layer 'fc' "
+                   "(line 10), which its include rule leaves out of the TEST phase")
