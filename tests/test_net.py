@@ -270,3 +270,23 @@ def test_deploy_file_trains_only_with_add_loss():
     outputs = net.evaluate(data, label)
     assert outputs["prob"].shape == (4, 10) and np.isfinite(outputs["loss"]) and 0 <= outputs["accuracy"] <= 1
     assert net.report()["added_loss"].startswith("SoftmaxWithLoss 'loss' on 'fc'")
+
+
+def test_force_backward_input_gradient_through_branches_batchnorm_and_two_losses(tmp_path):
+    # data feeds two layers (its gradient is a sum), BatchNorm uses the batch's statistics,
+    # and fc_b's propagate_down: false is overridden by force_backward, as Caffe does
+    path = tmp_path / "branchy_forced.prototxt"
+    path.write_text("force_backward: true\n" + BRANCHY.replace(
+        'bottom: "data" top: "b"', 'bottom: "data" top: "b" propagate_down: false'))
+    net = minigist.Net(path, dtype=np.float64, seed=3)
+    data, label = batch()
+    analytic = net.input_gradients(data, label)["data"]
+    eps = 1e-6
+    rng = np.random.default_rng(1)
+    for index in (tuple(rng.integers(0, d) for d in data.shape) for _ in range(12)):
+        bumped = data.copy()
+        bumped[index] += eps
+        plus = net.forward_backward(bumped, label)
+        bumped[index] -= 2 * eps
+        minus = net.forward_backward(bumped, label)
+        assert analytic[index] == pytest.approx((plus - minus) / (2 * eps), rel=1e-5, abs=1e-8), index
