@@ -190,9 +190,10 @@ def make_parser():
                        help="input height and width (default: the model file's, 32 for the small models)")
     group.add_argument("--batch-size", type=positive_int, help="images per step (default: the model file's)")
     group.add_argument("--add-loss", action="store_true",
-                       help="append a SoftmaxWithLoss and a label input to a model file without a loss layer "
-                            "(a deploy file), on the scores that feed its final Softmax (else on its last "
-                            "blob), so that it can be planned for training and trained")
+                       help="append a SoftmaxWithLoss to a model file without a loss layer (a deploy file), "
+                            "on the scores that feed its final Softmax (else on its last blob), with a label "
+                            "input unless its data layer gives labels, and an Accuracy for evaluation; then "
+                            "the file can be planned for training (--plan-only) and trained")
     group.add_argument("--crop-pad", type=non_negative_int, metavar="PIXELS",
                        help="random-crop padding for training images, 0 for none (default: see below)")
     group.add_argument("--flip", choices=["auto", "on", "off"], default="auto",
