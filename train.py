@@ -189,6 +189,11 @@ def make_parser():
     group.add_argument("--input-size", type=positive_int, metavar="PIXELS",
                        help="input height and width (default: the model file's, 32 for the small models)")
     group.add_argument("--batch-size", type=positive_int, help="images per step (default: the model file's)")
+    group.add_argument("--add-loss", action="store_true",
+                       help="append a SoftmaxWithLoss to a model file without a loss layer (a deploy file), "
+                            "on the scores that feed its final Softmax (else on its last blob), with a label "
+                            "input unless its data layer gives labels, and an Accuracy for evaluation; then "
+                            "the file can be planned for training (--plan-only) and trained")
     group.add_argument("--crop-pad", type=non_negative_int, metavar="PIXELS",
                        help="random-crop padding for training images, 0 for none (default: see below)")
     group.add_argument("--flip", choices=["auto", "on", "off"], default="auto",
@@ -307,7 +312,8 @@ def _class_count(graph, model):
     for node in graph.nodes:
         if node.layer.is_loss:
             return int(node.layer.bottom_shapes[0][1])
-    raise MinigistError(f"--model: {model} has no loss layer to train")
+    raise MinigistError(f"--model: {model} has no loss layer to train (a deploy file?); --add-loss appends a "
+                        f"SoftmaxWithLoss on its scores")
 
 
 def _output_names(net):
@@ -489,7 +495,8 @@ def restore_state(net, values, path):
 
 # the configuration a checkpoint records; a resumed run takes it for the flags it does not give
 RESUME_KEYS = ("model", "data", "holdout", "input_size", "batch_size", "crop_pad", "flip", "lr", "lr_step",
-               "lr_gamma", "momentum", "weight_decay", "bn_average", "seed", "gist", "dpr", "conv", "threads")
+               "lr_gamma", "momentum", "weight_decay", "bn_average", "seed", "gist", "dpr", "conv", "threads",
+               "add_loss")
 
 
 def apply_checkpoint_config(args, given, meta, folder):
@@ -546,13 +553,13 @@ def plan_for(path, args, alloc=None, gist=None):
     """The footprint report from shapes alone."""
     return plan_footprint(path, args.batch_size, args.input_size, alloc or args.alloc,
                           gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update,
-                          conv=args.conv)
+                          conv=args.conv, add_loss=args.add_loss)
 
 
 def shapes_only_plan(path, args):
     """A MemoryPlan of the training program built from shapes alone (for --plan-only plots)."""
     from minigist.memory.plan import MemoryPlan
-    graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
+    graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss)
     set_conv_engine([graph], args.conv)
     program = minigist.build_program(graph, train=True, fused_update=args.update == "fused")
     program = apply_gist(program, GistConfig(args.gist, args.dpr))
@@ -613,7 +620,7 @@ def run(args, given):
             onednn.set_threads(args.threads)
     path = resolve_model(args.model)
     if args.summary:
-        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
+        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss)
         print(minigist.summary(graph))
         return 0
     if args.plan_only:
@@ -631,7 +638,7 @@ def run(args, given):
 
     # the data first (from the graph's shapes), so that bad data fails before memory is allocated
     try:
-        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
+        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss)
     except MinigistError as exc:
         if args.input_size is None:
             raise
@@ -644,7 +651,8 @@ def run(args, given):
     calibrates = args.gist in ("lossless", "all")
     net = minigist.Net(path, batch_size=args.batch_size, input_size=args.input_size, device=args.device,
                        seed=args.seed, solver=solver, alloc=args.alloc,
-                       memory_budget=None if calibrates else args.memory_budget, **gist_kwargs(args))
+                       memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
+                       **gist_kwargs(args))
     if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
         raise MinigistError(f"--memory-budget: the weights and optimizer state alone need {net.persistent_bytes:,} "
                             f"bytes, the budget allows {args.memory_budget:,} bytes")
@@ -697,6 +705,8 @@ def run(args, given):
     print(f"model {args.model}: {graph.param_count():,} parameters, batch {(batch,) + tuple(graph.input_shape)}, "
           f"{classes} classes, device {args.device}, footprint {_mib(report['footprint_bytes'])} "
           f"({args.alloc}, gist {args.gist})")
+    if graph.added_loss:
+        print(f"added loss: {graph.added_loss}")
     print(f"layers: {jit.describe(net.xp)}")
     if net.xp is np:
         print(f"blas: {blas.describe()}" + ("; on 1 thread during the steps (--conv onednn)"

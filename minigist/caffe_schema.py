@@ -80,6 +80,7 @@ SCHEMA = {
         "kernel_size": "uint", "kernel_h": "uint", "kernel_w": "uint", "stride": "uint",
         "stride_h": "uint", "stride_w": "uint", "engine": "Engine", "global_pooling": "bool",
         "round_mode": "RoundMode",
+        "ceil_mode": "bool",    # not in BVLC Caffe: a fork's spelling of round_mode (DenseNet's files)
     },
     "ReLUParameter": {"negative_slope": "float", "engine": "Engine"},
     "DropoutParameter": {"dropout_ratio": "float", "scale_train": "bool"},

@@ -42,6 +42,8 @@ class Graph:
     loss_weights: dict        # blob id -> weight, for blobs that enter the objective
     batch_size: int
     input_shape: tuple        # shape of one input sample (C, H, W) of the first data top
+    force_backward: bool = False   # the file's force_backward: gradients to every input blob
+    added_loss: str = ""      # what add_loss appended, in words ("" when it appended nothing)
 
     @property
     def layers(self):
@@ -97,6 +99,26 @@ def _layer_specs(net, path, phase):
                                  f"layer '{msg.get('name', '')}': give include rules or exclude rules, not both")
         if _included(msg, phase):
             yield layer_spec(msg, path, phase)
+
+
+def _missing_producer(net, spec, name, phase):
+    """Why no earlier layer gives `name`: a producer that the phase rules leave out, or none."""
+    for msg in net.all("layer") + net.all("layers"):
+        if msg is spec.msg:
+            break
+        if name in msg.all("top") and not _included(msg, phase):
+            rule = "include" if msg.has("include") else "exclude"
+            return (f"comes only from layer '{msg.get('name', '')}' (line {msg.line}), which its {rule} "
+                    f"rule leaves out of the {phase} phase")
+    return "is not produced by any earlier layer"
+
+
+def _free_name(base, taken):
+    """`base`, or `base` with the first free numeric suffix, whichever no blob uses yet."""
+    name, count = base, 1
+    while name in taken:
+        name, count = f"{base}_{count}", count + 1
+    return name
 
 
 def layer_spec(msg, path, phase):
@@ -157,8 +179,10 @@ def _field_lines(spec, name):
 
 
 def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=np.float32,
-                path=None):
-    """Build the Graph of a model file (a path) or of prototxt text (`path` then names it)."""
+                path=None, add_loss=False):
+    """Build the Graph of a model file (a path) or of prototxt text (`path` then names it).
+    add_loss=True appends a SoftmaxWithLoss and its label input to a file without a loss
+    layer (a deploy file), so that it can be trained (see `_with_added_loss`)."""
     if phase not in ("TRAIN", "TEST"):
         raise ValueError(f"phase must be TRAIN or TEST, got {phase!r}")
     if path is None:
@@ -171,12 +195,18 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
 
     nodes, blobs, current, loss_weights = [], {}, {}, {}
     data_shape = None
-    for spec in _layer_specs(net, path, phase):
+    specs, added = _layer_specs(net, path, phase), {}
+    if add_loss:
+        specs = _with_added_loss(specs, phase, current, blobs, added)
+    for spec in specs:
         cls = LAYER_TYPES.get(spec.type)
         if cls is None:
             raise ModelFileError(path, spec.msg.line_of("type"),
                                  f"unknown layer type '{spec.type}' (layer '{spec.name}')")
         layer = cls(spec, np.dtype(dtype))
+        if not spec.tops and layer.is_loss:
+            # Caffe's LossLayer gives a loss layer written without a top an anonymous one
+            spec.tops = [_free_name(spec.name, current)]
         if any(node.layer.name == spec.name for node in nodes):
             raise ModelFileError(path, spec.msg.line_of("name"), f"layer name '{spec.name}' used twice")
         lo, hi = cls.num_bottoms
@@ -191,8 +221,8 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
         bottom_ids = []
         for name, line in zip(spec.bottoms, bottom_lines):
             if name not in current:
-                raise ModelFileError(path, line,
-                                     f"layer '{spec.name}': bottom '{name}' is not produced by any earlier layer")
+                raise ModelFileError(path, line, f"layer '{spec.name}': bottom '{name}' "
+                                     + _missing_producer(net, spec, name, phase))
             bottom_ids.append(current[name])
         try:
             if layer.is_data:
@@ -242,4 +272,71 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
         raise ModelFileError(path, 0, "the net has no input or data layer")
     return Graph(path=path, name=net.get("name", ""), phase=phase, nodes=nodes, blobs=blobs,
                  loss_weights=loss_weights, batch_size=int(data_shape[0]),
-                 input_shape=tuple(data_shape[1:]))
+                 input_shape=tuple(data_shape[1:]), force_backward=bool(net.get("force_backward", False)),
+                 added_loss=added.get("text", ""))
+
+
+def _with_added_loss(specs, phase, current, blobs, added):
+    """The file's layer specs, then a SoftmaxWithLoss on the scores (in the TEST phase an
+    Accuracy too, as a train_val file has). The scores are the bottom of a final Softmax (a
+    deploy file's "prob", which then runs in the TEST phase only, as in a train_val file), or
+    else the first top of the last layer. The labels are a data layer's second top where the
+    file has one, else a new label Input of one label per sample. It runs as build_graph
+    consumes it, so `current` and `blobs` hold every layer built before the spec it is asked
+    for; `added["text"]` says what it appended."""
+    held, layer_names, data_label = None, set(), None
+    for spec in specs:
+        cls = LAYER_TYPES.get(spec.type)
+        if cls is not None and cls.is_data and spec.type != "Input" and len(spec.tops) == 2 and not data_label:
+            data_label = spec.tops[1]      # a data layer's (data, label) pair: feed that label
+        if cls is not None and cls.is_loss:
+            raise ModelFileError(spec.path, spec.line, f"--add-loss: the model already has a loss layer "
+                                 f"'{spec.name}'; add a loss only to a file without one (a deploy file)")
+        layer_names.add(spec.name)
+        if held is not None:
+            yield held
+        held = spec
+    if held is None:
+        return
+    if held.type == "Softmax" and len(held.bottoms) == 1 and held.tops != held.bottoms:
+        scores = held.bottoms[0]
+        chosen = f"'{scores}', the scores that feed the final Softmax '{held.name}'"
+        if phase == "TRAIN":
+            chosen += f" ('{held.name}' runs in the TEST phase only)"
+        else:
+            yield held
+    else:
+        yield held
+        if not held.tops:
+            raise ModelFileError(held.path, held.line, f"--add-loss: the last layer '{held.name}' has no top "
+                                 "to put a loss on")
+        scores = held.tops[0]
+        chosen = f"'{scores}', the output of the last layer '{held.name}'"
+    taken = set(current) | layer_names
+    label = data_label or _free_name("label", taken)
+    loss = _free_name("loss", taken | {label})
+    if data_label is None:
+        yield _label_input_spec(label, blobs[current[scores]].shape[0], held)
+    yield LayerSpec(name=loss, type="SoftmaxWithLoss", bottoms=[scores, label], tops=[loss],
+                    msg=prototxt.Msg("LayerParameter", held.line), path=held.path, line=held.line,
+                    phase=phase)
+    added["text"] = (f"SoftmaxWithLoss '{loss}' on {chosen}, with the label "
+                     + (f"'{label}' of the data layer" if data_label else f"input '{label}'"))
+    if phase == "TEST":     # what a train_val file measures on held-out data
+        accuracy = _free_name("accuracy", taken | {label, loss})
+        yield LayerSpec(name=accuracy, type="Accuracy", bottoms=[scores, label], tops=[accuracy],
+                        msg=prototxt.Msg("LayerParameter", held.line), path=held.path, line=held.line,
+                        phase=phase)
+        added["text"] += f", and an Accuracy '{accuracy}'"
+
+
+def _label_input_spec(label, batch, near):
+    """An Input layer giving `batch` integer labels (as float, like Caffe's data layers)."""
+    msg = prototxt.Msg("LayerParameter", near.line)
+    input_param = prototxt.Msg("InputParameter", near.line)
+    shape = prototxt.Msg("BlobShape", near.line)
+    shape.fields = [("dim", batch, near.line)]
+    input_param.fields.append(("shape", shape, near.line))
+    msg.fields.append(("input_param", input_param, near.line))
+    return LayerSpec(name=label, type="Input", bottoms=[], tops=[label], msg=msg, path=near.path,
+                     line=near.line, phase=near.phase)

@@ -40,7 +40,7 @@ class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
-                 conv="im2col"):
+                 conv="im2col", add_loss=False):
         if alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
         try:
@@ -51,7 +51,7 @@ class Net:
         self.dtype = np.dtype(dtype)
         self.seed = seed
         self.model = str(model)
-        self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype)
+        self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype, add_loss=add_loss)
                        for phase in ("TRAIN", "TEST")}
         self.train_graph = self.graphs["TRAIN"]
         self.conv = set_conv_engine(self.graphs.values(), conv, self.xp, self.dtype)
@@ -223,8 +223,26 @@ class Net:
             return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"),
                                                update=False)
 
+    def input_gradients(self, *inputs):
+        """Forward and backward on one batch, no update; returns {input blob: the gradient of
+        the weighted loss with respect to it} as numpy arrays. Needs `force_backward: true`
+        in the model file (Caffe computes input gradients only then)."""
+        names = {key.split(":", 1)[1]: name for key, name in self.programs["train"].outputs.items()
+                 if key.startswith("grad:")}
+        if not names:
+            raise MinigistError(f"{self.model}: no input gradients are computed; the model file needs "
+                                "'force_backward: true' (and a loss layer)")
+
+        def collect(arrays):
+            return {blob: to_numpy(arrays[name]).copy() for blob, name in names.items()}
+        with self._threads():
+            return self.executors["train"].run(self._feeder("train", inputs), collect, update=False)
+
     def train_step(self, *inputs):
         """One SGD iteration on one batch (data, label); returns the weighted loss."""
+        if not self.train_graph.loss_weights:
+            raise MinigistError(f"{self.model}: no loss layer, nothing to train (a deploy file); build the Net "
+                                "with add_loss=True to append a SoftmaxWithLoss on its scores")
         with self._threads():
             return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
 
@@ -251,6 +269,8 @@ class Net:
                           "ssdc_fallbacks": self.stats.fallbacks,
                           "ssdc_fallback_bytes": self.stats.fallback_bytes},
                  "update": self.update, "conv": self.conv}
+        if self.train_graph.added_loss:
+            extra["added_loss"] = self.train_graph.added_loss
         return footprint_report(self.plans["train"], model=self.model,
                                 parameters=self.train_graph.param_count(), extra=extra)
 
@@ -371,6 +391,10 @@ def summary(graph):
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.append(f"parameters: {graph.param_count()}")
+    if graph.added_loss:
+        lines.append(f"added loss: {graph.added_loss}")
+    elif not graph.loss_weights:
+        lines.append("forward only: no loss layer (add_loss=True, train.py --add-loss, appends a SoftmaxWithLoss)")
     return "\n".join(lines)
 
 
@@ -395,7 +419,7 @@ def set_conv_engine(graphs, conv, xp=np, dtype=np.float32):
 
 def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
                    gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
-                   conv="im2col"):
+                   conv="im2col", add_loss=False):
     """The footprint report of one training iteration, computed from shapes alone: no array
     is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
     (measured densities: a plan cannot see data)."""
@@ -407,10 +431,12 @@ def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtyp
         config = GistConfig(gist, dpr, binarize, None, ssdc_density)
     except ValueError as exc:
         raise MinigistError(str(exc)) from None
-    graph = build_graph(model, "TRAIN", batch_size, input_size, dtype)
+    graph = build_graph(model, "TRAIN", batch_size, input_size, dtype, add_loss=add_loss)
     set_conv_engine([graph], conv, np, dtype)
     program = apply_gist(build_program(graph, train=True, fused_update=update == "fused"), config)
     extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update,
              "conv": conv}
+    if graph.added_loss:
+        extra["added_loss"] = graph.added_loss
     return footprint_report(MemoryPlan(program, alloc), model=str(model), parameters=graph.param_count(),
                             extra=extra)

@@ -131,26 +131,38 @@ def param_buffer_names(layer, index):
 
 
 def _gradient_flags(graph):
-    """Which blobs need a gradient: they depend on a trained parameter and reach a loss."""
-    trained_upstream = {}
-    for node in graph.nodes:
-        layer = node.layer
-        flows = layer.has_backward and (
-            any(p.trained for p in layer.params) or
-            any(trained_upstream[b] and _propagates(layer, i) for i, b in enumerate(node.bottoms)))
-        for top in node.tops:
-            trained_upstream[top] = flows
+    """Which blobs need a gradient: they reach a loss and depend on a trained parameter, or
+    (force_backward, as Caffe) a layer that reaches a loss can send one to them."""
     reaches_loss = {name: name in graph.loss_weights for name in graph.blobs}
     for node in reversed(graph.nodes):
         if node.layer.has_backward and any(reaches_loss[t] for t in node.tops):
             for bottom in node.bottoms:
                 reaches_loss[bottom] = True
+    if graph.force_backward:
+        forced = {name: name in graph.loss_weights for name in graph.blobs}
+        for node in graph.nodes:
+            if node.layer.has_backward and any(reaches_loss[t] for t in node.tops):
+                for index, bottom in enumerate(node.bottoms):
+                    forced[bottom] = forced[bottom] or _propagates(graph, node.layer, index)
+        return forced
+    trained_upstream = {}
+    for node in graph.nodes:
+        layer = node.layer
+        flows = layer.has_backward and (
+            any(p.trained for p in layer.params) or
+            any(trained_upstream[b] and _propagates(graph, layer, i) for i, b in enumerate(node.bottoms)))
+        for top in node.tops:
+            trained_upstream[top] = flows
     return {name: trained_upstream[name] and reaches_loss[name] for name in graph.blobs}
 
 
-def _propagates(layer, index):
+def _propagates(graph, layer, index):
+    """Whether the backward of `layer` writes the gradient of its bottom `index`: where it can,
+    unless the file's propagate_down says no (force_backward overrides that, as in Caffe)."""
+    if not layer.propagates_down(index):
+        return False
     flags = layer.spec.propagate_down
-    return layer.propagates_down(index) and (index >= len(flags) or flags[index])
+    return graph.force_backward or index >= len(flags) or flags[index]
 
 
 def _add_workspace(buffers, layer, phase):
@@ -230,7 +242,7 @@ def build_program(graph, train=True, fused_update=False):
                 gy.append(zero)
         gx, accumulate = [], []
         for index, bottom in enumerate(node.bottoms):
-            if not (needs_grad[bottom] and _propagates(layer, index)):
+            if not (needs_grad[bottom] and _propagates(graph, layer, index)):
                 gx.append(None)
                 continue
             count = partial_count.get(bottom, 0)
@@ -264,6 +276,10 @@ def build_program(graph, train=True, fused_update=False):
     if not fused_update:
         for node in graph.nodes:
             _add_updates(node.layer, buffers, steps, add)
+    for node in graph.nodes:    # force_backward's input gradients: readable after the run
+        for top in node.tops if node.layer.is_data else ():
+            if f"grad:{top}" in buffers:
+                outputs[f"grad:{top}"] = f"grad:{top}"
     return Program(graph, buffers, steps, outputs, loss_weights)
 
 

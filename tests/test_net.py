@@ -7,6 +7,8 @@ import pytest
 
 import minigist
 from minigist.errors import MinigistError
+from minigist.memory.report import format_report
+from minigist.net import plan_footprint
 
 BRANCHY = """
 name: "branchy"
@@ -183,3 +185,108 @@ def test_small_models_fit_a_fixed_batch(name):
     label = np.arange(8) % 10
     losses = [net.train_step(data, label) for _ in range(12)]
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+# ---- force_backward, deploy files -----------------------------------------------------------
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+FORCE_BACKWARD = os.path.join(DATA, "force_backward.prototxt")
+TINY_DEPLOY = os.path.join(DATA, "tiny_deploy.prototxt")
+
+
+def without_force_backward(tmp_path):
+    path = tmp_path / "plain.prototxt"
+    with open(FORCE_BACKWARD) as source:
+        path.write_text(source.read().replace("force_backward: true", ""))
+    return str(path)
+
+
+def test_force_backward_adds_exactly_the_input_gradient(tmp_path):
+    plain = without_force_backward(tmp_path)
+    forced = plan_footprint(FORCE_BACKWARD, alloc="none")
+    base = plan_footprint(plain, alloc="none")
+    data_grad = 3 * 2 * 4 * 4 * 4      # float32 (3, 2, 4, 4): 384 bytes, aligned to 512
+    assert forced["total_by_category"]["gradient"] - base["total_by_category"]["gradient"] == 512
+    assert forced["footprint_bytes"] - base["footprint_bytes"] == 512 >= data_grad
+    # the static plan too: the gradient is live at the peak, nothing else moves
+    assert plan_footprint(FORCE_BACKWARD)["footprint_bytes"] - plan_footprint(plain)["footprint_bytes"] == 512
+    program = minigist.build_program(minigist.build_graph(FORCE_BACKWARD))
+    assert "grad:data" in program.buffers and "grad:label" not in program.buffers
+    assert "grad:data" not in minigist.build_program(minigist.build_graph(plain)).buffers
+
+
+def test_force_backward_input_gradient_matches_finite_differences(tmp_path):
+    net = minigist.Net(FORCE_BACKWARD, dtype=np.float64, seed=1)
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((3, 2, 4, 4))
+    label = np.array([0.0, 3.0, 1.0])
+    grads = net.input_gradients(data, label)
+    assert set(grads) == {"data"}
+
+    def loss(x):
+        return net.evaluate(x, label)["loss"]
+    step = 1e-6
+    numeric = np.zeros_like(data)
+    for index in np.ndindex(data.shape):
+        bumped = data.copy()
+        bumped[index] += step
+        up = loss(bumped)
+        bumped[index] -= 2 * step
+        numeric[index] = (up - loss(bumped)) / (2 * step)
+    np.testing.assert_allclose(grads["data"], numeric, rtol=1e-6, atol=1e-9)
+    # no update ran: the same batch gives the same gradient
+    np.testing.assert_array_equal(net.input_gradients(data, label)["data"], grads["data"])
+    for alloc in ("static", "dynamic"):
+        other = minigist.Net(FORCE_BACKWARD, dtype=np.float64, seed=1, alloc=alloc, update="fused")
+        np.testing.assert_array_equal(other.input_gradients(data, label)["data"], grads["data"])
+    with pytest.raises(MinigistError, match="needs 'force_backward: true'"):
+        minigist.Net(without_force_backward(tmp_path)).input_gradients(data, label)
+
+
+def test_deploy_file_plans_forward_only_and_says_so():
+    report = plan_footprint(TINY_DEPLOY)
+    assert report["forward_only"] is True and report["forward_only_reason"] == "no loss layer"
+    assert report["backward_peak_bytes"] == 0
+    assert "forward only: no loss layer" in format_report(report)
+    assert minigist.summary(minigist.build_graph(TINY_DEPLOY)).splitlines()[-1].startswith("forward only: no loss layer")
+    assert minigist.summary(minigist.build_graph(TINY_DEPLOY, add_loss=True)).splitlines()[-1].startswith(
+        "added loss: SoftmaxWithLoss 'loss' on 'fc'")
+    trained = plan_footprint(TINY_DEPLOY, add_loss=True)
+    assert trained["forward_only"] is False and "forward_only_reason" not in trained
+    assert trained["backward_peak_bytes"] > 0 and trained["footprint_bytes"] > report["footprint_bytes"]
+    assert "SoftmaxWithLoss 'loss' on 'fc'" in trained["added_loss"]
+    assert "forward only" not in format_report(trained)
+
+
+def test_deploy_file_trains_only_with_add_loss():
+    rng = np.random.default_rng(0)
+    data, label = rng.standard_normal((4, 1, 8, 8)), np.array([1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(MinigistError, match="no loss layer, nothing to train .* add_loss=True"):
+        minigist.Net(TINY_DEPLOY).train_step(data, label)
+    net = minigist.Net(TINY_DEPLOY, add_loss=True, solver=minigist.SGD(lr=0.1))
+    first = net.train_step(data, label)
+    for _ in range(5):
+        last = net.train_step(data, label)
+    assert np.isfinite(first) and last < first
+    outputs = net.evaluate(data, label)
+    assert outputs["prob"].shape == (4, 10) and np.isfinite(outputs["loss"]) and 0 <= outputs["accuracy"] <= 1
+    assert net.report()["added_loss"].startswith("SoftmaxWithLoss 'loss' on 'fc'")
+
+
+def test_force_backward_input_gradient_through_branches_batchnorm_and_two_losses(tmp_path):
+    # data feeds two layers (its gradient is a sum), BatchNorm uses the batch's statistics,
+    # and fc_b's propagate_down: false is overridden by force_backward, as Caffe does
+    path = tmp_path / "branchy_forced.prototxt"
+    path.write_text("force_backward: true\n" + BRANCHY.replace(
+        'bottom: "data" top: "b"', 'bottom: "data" top: "b" propagate_down: false'))
+    net = minigist.Net(path, dtype=np.float64, seed=3)
+    data, label = batch()
+    analytic = net.input_gradients(data, label)["data"]
+    eps = 1e-6
+    rng = np.random.default_rng(1)
+    for index in (tuple(rng.integers(0, d) for d in data.shape) for _ in range(12)):
+        bumped = data.copy()
+        bumped[index] += eps
+        plus = net.forward_backward(bumped, label)
+        bumped[index] -= 2 * eps
+        minus = net.forward_backward(bumped, label)
+        assert analytic[index] == pytest.approx((plus - minus) / (2 * eps), rel=1e-5, abs=1e-8), index

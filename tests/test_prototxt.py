@@ -939,3 +939,114 @@ def test_error_cases_cover_the_required_kinds():
                 "num_output missing", "concat of mismatched shapes", "loss_weight count mismatch",
                 "negative value for a uint", "mixing layer and layers"]
     assert set(required) <= set(ALL_CASES) and len(ALL_CASES) >= 40
+
+
+# ---- Caffe model files as Caffe means them -------------------------------------------------
+
+NIN_TAIL = DATA / "nin_legacy_tail.prototxt"
+TINY_DEPLOY = DATA / "tiny_deploy.prototxt"
+PHASE_EXCLUDED = DATA / "phase_excluded.prototxt"
+DENSENET_POOL = DATA / "densenet_pool.prototxt"
+
+
+def test_legacy_loss_layer_without_top_gets_one_with_loss_weight_1():
+    graph = build_graph(NIN_TAIL)
+    loss = graph.node_of("loss")
+    assert loss.layer.type == "SoftmaxWithLoss"
+    assert loss.tops == ["loss"] and graph.blobs["loss"].shape == ()
+    assert graph.loss_weights == {"loss": 1.0}
+    assert graph.outputs() == ["loss"]
+
+
+def test_loss_layer_without_top_in_the_new_syntax_and_a_name_taken_by_a_blob():
+    body = '''
+        layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 2 } } }
+        layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc" inner_product_param { num_output: 3 } }
+        layer { name: "fc_loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" }
+        layer { name: "fc" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" loss_weight: 0.5 }
+    '''
+    with pytest.raises(ModelFileError, match="layer name 'fc' used twice"):
+        build_graph(net(body), path="t.prototxt")
+    graph = build_graph(net(body.replace('name: "fc" type: "SoftmaxWithLoss"', 'name: "label" type: "SoftmaxWithLoss"')
+                            .replace('name: "label" type: "Input"', 'name: "labels" type: "Input"')),
+                        path="t.prototxt")
+    # the second loss layer is named like the blob "label": its automatic top is "label_1"
+    assert graph.node_of("fc_loss").tops == ["fc_loss"]
+    assert graph.loss_weights == {"fc_loss": 1.0, "label_1": 0.5}
+
+
+def test_accuracy_is_not_a_loss_layer_and_still_needs_its_top():
+    body = '''
+        layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 2 } } }
+        layer { name: "acc" type: "Accuracy" bottom: "data" bottom: "label" }
+    '''
+    with pytest.raises(ModelFileError, match=r"t.prototxt:5: .*'acc' \(Accuracy\) gives 1 top\(s\), got 0"):
+        build_graph(net(body), path="t.prototxt")
+
+
+def test_phase_excluded_producer_is_named_in_the_error():
+    build_graph(PHASE_EXCLUDED, "TRAIN")
+    with pytest.raises(ModelFileError) as error:
+        build_graph(PHASE_EXCLUDED, "TEST")
+    assert str(error.value) == (f"{PHASE_EXCLUDED}:19: layer 'accuracy': bottom 'scores' comes only from layer "
+                                f"'fc' (line 10), which its include rule leaves out of the TEST phase")
+    excluded = PHASE_EXCLUDED.read_text().replace("include { phase: TRAIN }\n}", "exclude { phase: TEST }\n}")
+    with pytest.raises(ModelFileError, match="which its exclude rule leaves out of the TEST phase"):
+        build_graph(excluded, "TEST", path="p.prototxt")
+    # a bottom nobody writes at all keeps the plain message
+    with pytest.raises(ModelFileError, match="bottom 'nowhere' is not produced by any earlier layer"):
+        build_graph(net('layer { name: "r" type: "ReLU" bottom: "nowhere" top: "r" }'), path="t.prototxt")
+
+
+def test_ceil_mode_is_the_forks_spelling_of_round_mode():
+    graph = build_graph(DENSENET_POOL)
+    assert graph.node_of("pool_floor").layer.round_mode == "FLOOR"
+    assert graph.node_of("pool_ceil").layer.round_mode == "CEIL"
+    # 7 -> floor((7 - 2) / 2) + 1 = 3 and ceil(...) + 1 = 4, as round_mode FLOOR and CEIL give
+    assert graph.blobs["pool_floor"].shape == (1, 2, 3, 3)
+    assert graph.blobs["pool_ceil"].shape == (1, 2, 4, 4)
+    text = DENSENET_POOL.read_text()
+    agreeing = text.replace("ceil_mode: false", "ceil_mode: false round_mode: FLOOR")
+    assert build_graph(agreeing, path="d.prototxt").blobs["pool_floor"].shape == (1, 2, 3, 3)
+    conflicting = text.replace("ceil_mode: true }", "ceil_mode: true\n    round_mode: FLOOR }")
+    with pytest.raises(ModelFileError) as error:
+        build_graph(conflicting, path="d.prototxt")
+    assert str(error.value).startswith("d.prototxt:18: layer 'pool_ceil' (Pooling): ceil_mode: true means "
+                                       "round_mode CEIL, but round_mode FLOOR is given (line 19)")
+
+
+def test_add_loss_puts_a_softmax_loss_on_the_scores_of_the_final_softmax():
+    train = build_graph(TINY_DEPLOY, "TRAIN", add_loss=True)
+    assert names(train) == ["input", "conv1", "relu1", "fc", "label", "loss"]
+    loss = train.node_of("loss")
+    assert loss.layer.type == "SoftmaxWithLoss" and loss.bottoms == ["fc", "label"]
+    assert train.blobs["label"].shape == (4,) and train.loss_weights == {"loss": 1.0}
+    assert "'fc', the scores that feed the final Softmax 'prob'" in train.added_loss
+    test = build_graph(TINY_DEPLOY, "TEST", add_loss=True)
+    assert names(test) == ["input", "conv1", "relu1", "fc", "prob", "label", "loss", "accuracy"]
+    assert test.node_of("accuracy").bottoms == ["fc", "label"]
+    assert sorted(test.outputs()) == ["accuracy", "loss", "prob"]
+    assert test.added_loss.endswith("and an Accuracy 'accuracy'")
+    # the data feeding sees (data, label), like a train_val file's data layer
+    assert [top for node in train.nodes if node.layer.is_data for top in node.tops] == ["data", "label"]
+    assert build_graph(TINY_DEPLOY, "TRAIN", batch_size=7, add_loss=True).blobs["label"].shape == (7,)
+    plain = build_graph(TINY_DEPLOY)
+    assert plain.loss_weights == {} and plain.added_loss == ""
+
+
+def test_add_loss_without_a_final_softmax_and_on_a_file_that_has_a_loss():
+    no_softmax = TINY_DEPLOY.read_text().replace('layer { name: "prob" type: "Softmax" bottom: "fc" top: "prob" }', "")
+    graph = build_graph(no_softmax, add_loss=True, path="d.prototxt")
+    assert graph.node_of("loss").bottoms == ["fc", "label"]
+    assert "'fc', the output of the last layer 'fc'" in graph.added_loss
+    with pytest.raises(ModelFileError, match="--add-loss: the model already has a loss layer 'loss'"):
+        build_graph(NIN_TAIL, add_loss=True)
+
+
+def test_add_loss_feeds_the_label_of_a_data_layer_that_has_one():
+    text = NIN_TAIL.read_text().split("layers {\n  name: \"loss\"")[0]
+    graph = build_graph(text, add_loss=True, path="n.prototxt")
+    assert names(graph) == ["data", "cccp8", "relu_cccp8", "pool4", "loss"]
+    assert graph.node_of("loss").bottoms == ["pool4", "label"]
+    assert graph.added_loss == ("SoftmaxWithLoss 'loss' on 'pool4', the output of the last layer 'pool4', "
+                                "with the label 'label' of the data layer")

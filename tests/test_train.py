@@ -404,3 +404,48 @@ def test_memory_budget_is_held_against_the_calibrated_plan(tmp_path):
     assert result.returncode == 0, result.stderr
     one_line_error(run_cli("--model", path, "--data", "synthetic", "--gist", "lossless", "--iters", 1,
                            "--memory-budget", 10_000), "--memory-budget", "weights and optimizer state")
+
+
+# ---- deploy files -------------------------------------------------------------------------
+TINY_DEPLOY = os.path.join(ROOT, "tests", "data", "tiny_deploy.prototxt")
+
+
+def test_training_a_deploy_file_is_a_one_line_error_naming_add_loss():
+    line = one_line_error(run_cli("--model", TINY_DEPLOY, "--data", "synthetic", "--iters", 2),
+                          "no loss layer to train", "--add-loss")
+    assert TINY_DEPLOY in line
+
+
+def test_plan_only_of_a_deploy_file_says_forward_only_or_plans_the_added_loss(tmp_path, capsys):
+    report_path = tmp_path / "report.json"
+    assert train.main(["--model", TINY_DEPLOY, "--plan-only", "--gist", "none",
+                       "--report-json", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    assert "forward only: no loss layer" in out
+    report = json.loads(report_path.read_text())
+    assert report["forward_only"] is True and report["backward_peak_bytes"] == 0
+    assert train.main(["--model", TINY_DEPLOY, "--plan-only", "--gist", "none", "--add-loss",
+                       "--report-json", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    assert "forward only" not in out
+    assert "added loss: SoftmaxWithLoss 'loss' on 'fc', the scores that feed the final Softmax 'prob'" in out
+    report = json.loads(report_path.read_text())
+    assert report["forward_only"] is False and report["backward_peak_bytes"] > 0
+    assert report["footprint_bytes"] == minigist.net.plan_footprint(TINY_DEPLOY, add_loss=True,
+                                                                    update="fused")["footprint_bytes"]
+
+
+@pytest.mark.parametrize("data", ["synthetic", "mnist5k"])
+def test_deploy_file_trains_with_add_loss(data, capsys):
+    assert train.main(["--model", TINY_DEPLOY, "--add-loss", "--data", data, "--iters", "2", "--gist", "none",
+                       "--train-eval-size", "0", "--holdout", "0.02"]) == 0
+    out = capsys.readouterr().out
+    assert "added loss: SoftmaxWithLoss 'loss' on 'fc'" in out
+    assert "epoch 1/1 (partial)" in out and "held-out acc" in out
+
+
+def test_a_bottom_from_a_phase_excluded_layer_is_a_one_line_error():
+    model = os.path.join(ROOT, "tests", "data", "phase_excluded.prototxt")
+    one_line_error(run_cli("--model", model, "--data", "synthetic", "--iters", 1),
+                   "phase_excluded.prototxt:19: layer 'accuracy': bottom 'scores' comes only from layer 'fc' "
+                   "(line 10), which its include rule leaves out of the TEST phase")

@@ -26,6 +26,7 @@ gradient); so does this layer. Caffe's AVE divides 0 by a pool size <= 0 there (
 import numpy as np
 
 from .. import jit
+from ..errors import ModelFileError
 from . import pool_kernels
 from .base import Layer, TensorDecl, register
 
@@ -44,6 +45,18 @@ class Pooling(Layer):
     type = "Pooling"
     chunk_bytes = 4 << 20       # target size of the largest workspace: batch chunks of this
     param_field = "pooling_param"
+
+    def _round_mode(self, p):
+        """round_mode, or a fork's `ceil_mode: true|false` (DenseNet's Caffe files) for CEIL|FLOOR."""
+        if not p.has("ceil_mode"):
+            return p.get("round_mode", "CEIL")
+        mode = "CEIL" if p.get("ceil_mode") else "FLOOR"
+        if p.has("round_mode") and p.get("round_mode") != mode:
+            raise ModelFileError(self.spec.path, p.line_of("ceil_mode"),
+                                 f"layer '{self.name}' (Pooling): ceil_mode: {str(p.get('ceil_mode')).lower()} "
+                                 f"means round_mode {mode}, but round_mode {p.get('round_mode')} is given "
+                                 f"(line {p.line_of('round_mode')}); give one of them")
+        return mode
 
     def setup(self, bottom_shapes):
         p = self.p
@@ -79,7 +92,7 @@ class Pooling(Layer):
             self.fail("with global_pooling only pad 0 and stride 1 are allowed")
         if ph >= kh or pw >= kw:
             self.fail(f"pad ({ph}, {pw}) must be smaller than the kernel ({kh}, {kw})")
-        self.round_mode = p.get("round_mode", "CEIL")
+        self.round_mode = self._round_mode(p)
         out = []
         for size, k, s, pd in ((h, kh, sh, ph), (w, kw, sw, pw)):
             if self.round_mode == "CEIL":

@@ -115,6 +115,11 @@ def footprint_report(plan, model="", parameters=0, extra=None):
         "stash_by_encoding": stash_by_encoding,
         "by_layer": by_layer,
     }
+    # a plan without a loss seed has no backward: say so rather than show "backward peak 0 B"
+    report["forward_only"] = not any(step.kind == "seed" for step in program.steps)
+    if report["forward_only"]:
+        report["forward_only_reason"] = ("no loss layer" if not graph.loss_weights else
+                                         "no loss depends on a trained parameter")
     if plan.pool is not None:
         report["pool"] = {"high_water_bytes": int(plan.pool.high_water),
                           "live_peak_bytes": int(plan.pool.peak_in_use),
@@ -132,8 +137,13 @@ def _mib(nbytes):
 def format_report(report):
     """The report as a short printed table."""
     lines = [f"memory: {report['model']}  batch {report['batch_size']}  input {tuple(report['input_shape'])}  "
-             f"alloc {report['alloc']}",
-             f"  footprint        {report['footprint_bytes']:>16,} B  ({_mib(report['footprint_bytes'])})",
+             f"alloc {report['alloc']}"]
+    if report.get("forward_only"):
+        lines.append(f"  forward only: {report['forward_only_reason']}, so nothing is trained and this is an "
+                     f"inference plan (add_loss=True, train.py --add-loss, appends a SoftmaxWithLoss)")
+    if report.get("added_loss"):
+        lines.append(f"  added loss: {report['added_loss']}")
+    lines += [f"  footprint        {report['footprint_bytes']:>16,} B  ({_mib(report['footprint_bytes'])})",
              f"  live peak        {report['live_peak_bytes']:>16,} B  at step {report['peak_step']} "
              f"({report['peak_step_label']})",
              f"  forward peak     {report['forward_peak_bytes']:>16,} B",
