@@ -21,7 +21,7 @@ DIGEST_KEY = "__digest__"
 # what a damaged zip or .npy member raises inside np.load and zipfile
 _DAMAGE = (OSError, ValueError, KeyError, EOFError, IndexError, TypeError, OverflowError,
            UnicodeDecodeError, NotImplementedError, zipfile.BadZipFile, zipfile.LargeZipFile,
-           zlib.error, struct.error, SyntaxError)
+           RuntimeError, MemoryError, zlib.error, struct.error, SyntaxError)   # RuntimeError: an "encrypted" flag bit
 
 
 def arrays_digest(arrays):
