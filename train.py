@@ -8,9 +8,10 @@
     python train.py --checkpoint ckpt --resume       # continue an interrupted run, bit for bit
 
 Bad input (unknown model, bad flag value, a missing or inconsistent data folder, an unreadable
-image, an input size the model cannot take, a memory budget too small) ends with a one-line
-error and exit status 2; so does a loss that becomes NaN or infinite (the last good checkpoint
-is kept).
+image, an input size the model cannot take, sizes beyond this machine's memory, a memory budget
+too small, an unwritable output path, a damaged checkpoint) ends with a one-line error and exit
+status 2; so does a loss that becomes NaN or infinite (the last checkpoint, every value in it
+finite, is kept, with the command that resumes it at a lower learning rate).
 """
 import argparse
 import json
@@ -185,6 +186,11 @@ checkpoints: --checkpoint DIR writes DIR/{CHECKPOINT_NAME} at every epoch end (a
   the position in the run and its configuration, written to a temporary file, synced and
   renamed over the previous one, so a run killed at any moment leaves a readable checkpoint.
   --resume continues from it; the final weights are bitwise those of an uninterrupted run.
+  A checkpoint also holds a SHA-256 digest of its arrays and every layer's definition: a damaged
+  file or an edited model file is refused on --resume (--allow-model-change accepts the edit).
+  A new run into a DIR that holds a checkpoint is refused (--resume continues it, --overwrite
+  replaces it); --resume with no checkpoint in DIR is an error (--resume-if-present starts from
+  scratch then). Ctrl-C prints the iteration the checkpoint holds and the command that resumes it.
 defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32 (the model file's), {DEFAULT_EPOCHS} epochs, lr
   {DEFAULT_LR} times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4,
   BatchNorm average 0.9, one BLAS thread, Gist lossless. Measured on a 2-core machine
