@@ -361,4 +361,4 @@ def test_ctrl_c_names_the_iteration_and_the_resume_command(tiny, tmp_path):
     command = shlex.split(line.split("resume with: ", 1)[1])
     assert command[2:] == argv + ["--resume"]
     resumed = run_cli(*[a.replace("100000", str(held + 1)) for a in command[2:]])
-    assert resumed.returncode == 0 and f"resumed from" in resumed.stdout, resumed.stderr
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
