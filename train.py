@@ -8,15 +8,17 @@
     python train.py --checkpoint ckpt --resume       # continue an interrupted run, bit for bit
 
 Bad input (unknown model, bad flag value, a missing or inconsistent data folder, an unreadable
-image, an input size the model cannot take, a memory budget too small) ends with a one-line
-error and exit status 2; so does a loss that becomes NaN or infinite (the last good checkpoint
-is kept).
+image, an input size the model cannot take, sizes beyond this machine's memory, a memory budget
+too small, an unwritable output path, a damaged checkpoint) ends with a one-line error and exit
+status 2; so does a loss that becomes NaN or infinite (the last checkpoint, every value in it
+finite, is kept, with the command that resumes it at a lower learning rate).
 """
 import argparse
 import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -48,8 +50,10 @@ import minigist  # noqa: E402  (after the path tweak, so a checkout runs without
 from minigist import blas, datasets, jit, onednn  # noqa: E402
 from minigist.codecs import kernels as codec_kernels  # noqa: E402
 from minigist.codecs import DPR_FORMATS, GIST_MODES, GistConfig  # noqa: E402
+from minigist.checkpoint import arrays_digest, check_fields, model_change, model_definition, read_npz  # noqa: E402
 from minigist.errors import MinigistError  # noqa: E402
 from minigist.gist import apply_gist  # noqa: E402
+from minigist.memory.available import check_fits  # noqa: E402
 from minigist.memory.plan import MODES  # noqa: E402
 from minigist.memory.report import format_report, write_json  # noqa: E402
 from minigist.net import UPDATES, plan_footprint, save_npz_atomic, set_conv_engine  # noqa: E402
@@ -62,7 +66,7 @@ DEFAULT_LR = 0.1
 DEFAULT_LR_STEP = 1.0
 DEFAULT_LR_GAMMA = 0.5
 CHECKPOINT_NAME = "checkpoint.npz"
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2     # 2: a digest of the arrays, the model's definition, the changes made on resumes
 
 
 
@@ -132,11 +136,26 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def byte_size(text):
-    """'2GiB', '512MB', '1e9' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    """'2GiB', '512MB', '1e9' -> bytes (a positive, finite number of them)."""
+    match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MB or 1e9, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is too large to be a size")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a memory budget must be positive (at least 1 byte), got {text!r}")
+    return int(value)
+
+
+def join_negative_sizes(argv):
+    """`--memory-budget -5GB` as `--memory-budget=-5GB`: argparse would take -5GB for a flag
+    and say the budget is missing, where the user meant a (wrong) negative size."""
+    out = list(argv)
+    for index in range(len(out) - 1):
+        if out[index] == "--memory-budget" and re.match(r"-[0-9.]", out[index + 1]):
+            out[index:index + 2] = [f"--memory-budget={out[index + 1]}", None]
+    return [arg for arg in out if arg is not None]
 
 
 class Parser(argparse.ArgumentParser):
@@ -167,6 +186,11 @@ checkpoints: --checkpoint DIR writes DIR/{CHECKPOINT_NAME} at every epoch end (a
   the position in the run and its configuration, written to a temporary file, synced and
   renamed over the previous one, so a run killed at any moment leaves a readable checkpoint.
   --resume continues from it; the final weights are bitwise those of an uninterrupted run.
+  A checkpoint also holds a SHA-256 digest of its arrays and every layer's definition: a damaged
+  file or an edited model file is refused on --resume (--allow-model-change accepts the edit).
+  A new run into a DIR that holds a checkpoint is refused (--resume continues it, --overwrite
+  replaces it); --resume with no checkpoint in DIR is an error (--resume-if-present starts from
+  scratch then). Ctrl-C prints the iteration the checkpoint holds and the command that resumes it.
 defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32 (the model file's), {DEFAULT_EPOCHS} epochs, lr
   {DEFAULT_LR} times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4,
   BatchNorm average 0.9, one BLAS thread, Gist lossless. Measured on a 2-core machine
@@ -262,7 +286,19 @@ def make_parser():
                        help="also write it every N iterations (default 0: epoch ends only)")
     group.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint in --checkpoint DIR (its configuration is used "
-                            "for the flags not given; --epochs/--iters may extend the run)")
+                            "for the flags not given; --epochs/--iters may extend the run; --lr, --lr-step "
+                            "and --lr-gamma may change the schedule, which then applies from the "
+                            "checkpoint's iteration on, as Caffe applies a changed solver to a snapshot; "
+                            "the change is recorded in the checkpoint). No checkpoint there is an error")
+    group.add_argument("--resume-if-present", action="store_true",
+                       help="resume when DIR holds a checkpoint, start from scratch when it does not "
+                            "(for jobs that may be preempted and restarted with the same command)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="start a new run in a --checkpoint DIR that holds a checkpoint, replacing it "
+                            "(without this, a fresh run there is refused)")
+    group.add_argument("--allow-model-change", action="store_true",
+                       help="resume even though the model file changed since the checkpoint (refused "
+                            "otherwise: the checkpoint records every layer's definition)")
     group = parser.add_argument_group("output")
     group.add_argument("--eval-every", type=non_negative_int, default=1, metavar="EPOCHS",
                        help="evaluate on the held-out split every EPOCHS epochs (default 1; 0: only at the "
@@ -435,8 +471,9 @@ def checkpoint_path(folder):
 
 def write_checkpoint(folder, state, meta, order):
     arrays = dict(state)
-    arrays["__meta__"] = np.frombuffer(json.dumps(meta, default=_json_default).encode("utf-8"), dtype=np.uint8)
     arrays["__order__"] = np.asarray(order if order is not None else [], dtype=np.int64)
+    meta = dict(meta, digest=arrays_digest(arrays))
+    arrays["__meta__"] = np.frombuffer(json.dumps(meta, default=_json_default).encode("utf-8"), dtype=np.uint8)
     path = checkpoint_path(folder)
     try:
         save_npz_atomic(path, arrays)
@@ -459,23 +496,122 @@ def remove_stale_temporaries(folder):
                 pass
 
 
+# what a checkpoint's metadata holds, key by key (minigist.checkpoint.check_fields)
+META_SCHEMA = {"format": "int", "config": "dict", "data": "dict", "iteration": "count", "epoch": "count",
+               "batch_in_epoch": "count", "data_rng": "dict?", "net_rng": "dict?", "history": "list",
+               "epoch_losses": "list", "digest": "str", "model": "list", "changes": "list"}
+CONFIG_EXTRA_KEYS = ("epochs", "iters", "alloc", "device")
+
+
 def read_checkpoint(folder):
-    """(meta dict, order array or None, {state key: array}) of DIR's checkpoint, or None."""
+    """(meta dict, order array or None, {state key: array}) of DIR's checkpoint, or None if
+    there is none. A damaged file, metadata that is not what this train.py writes, arrays that
+    do not match their digest, or values that are not finite: one MinigistError naming the file."""
     path = checkpoint_path(folder)
     if not os.path.exists(path):
         return None
+    values = read_npz(path, "--resume")
     try:
-        with np.load(path, allow_pickle=False) as stored:
-            values = {key: stored[key] for key in stored.files}
         meta = json.loads(values.pop("__meta__").tobytes().decode("utf-8"))
-        order = values.pop("__order__")
-    except (OSError, ValueError, KeyError, EOFError) as exc:
-        raise MinigistError(f"--resume: {path} is not a readable checkpoint ({exc.__class__.__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if not isinstance(meta, dict):
+            raise ValueError("the metadata is not an object")
+        if meta.get("format") == CHECKPOINT_FORMAT:
+            check_meta(meta)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise MinigistError(f"--resume: {path} has damaged metadata ({exc})") from None
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise MinigistError(f"--resume: {path} has checkpoint format {meta.get('format')}, "
                             f"this train.py reads format {CHECKPOINT_FORMAT}")
-    return meta, (order if order.size else None), values
+    if "__order__" not in values or meta["digest"] != arrays_digest(values):
+        raise MinigistError(f"--resume: {path} is damaged: its arrays do not match the digest written with them")
+    order = values.pop("__order__")
+    bad = next((key for key, value in values.items()
+                if value.dtype.kind not in "fiub" or (value.dtype.kind == "f" and not np.all(np.isfinite(value)))), None)
+    if bad is not None:
+        raise MinigistError(f"--resume: {path}: '{bad}' holds NaN, infinite or non-numeric values; it cannot be "
+                            f"resumed (start over with --overwrite and a lower --lr)")
+    return meta, (order if order.size and order.ndim == 1 and order.dtype.kind == "i" else None), values
+
+
+def check_meta(meta):
+    """Raise ValueError naming the first field of a checkpoint's metadata that is missing or
+    not of the kind (and range, for the configuration) this train.py writes."""
+    check_fields(meta, META_SCHEMA, "the metadata")
+    config = meta["config"]
+    parser = make_parser()
+    actions = {action.dest: action for action in parser._actions}
+    check_fields(config, {key: "any?" for key in RESUME_KEYS + CONFIG_EXTRA_KEYS}, "the configuration")
+    for key in RESUME_KEYS + CONFIG_EXTRA_KEYS:
+        value, action = config[key], actions[key]
+        if value is None and key in ("epochs", "iters", "input_size", "batch_size", "crop_pad"):
+            continue
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"the configuration's {key} is {value!r}, not one of {', '.join(action.choices)}")
+        if action.type is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError(f"the configuration's {key} is {value!r}")
+            try:
+                action.type(str(value))
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise ValueError(f"the configuration's {key}: {exc}") from None
+        elif action.choices is None and not isinstance(value, str):
+            raise ValueError(f"the configuration's {key} is {value!r}, not a string")
+    for name in ("data_rng", "net_rng"):
+        if meta[name] is not None:     # the bit generator's own check of its state
+            np.random.default_rng(0).bit_generator.state = meta[name]
+    if not all(isinstance(loss, (int, float)) and not isinstance(loss, bool) for loss in meta["epoch_losses"]):
+        raise ValueError("the metadata's epoch_losses are not all numbers")
+    if not all(isinstance(record, dict) for record in meta["history"] + meta["changes"]):
+        raise ValueError("the metadata's history is not a list of objects")
+    if not all(isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)
+               for item in meta["model"]):
+        raise ValueError("the metadata's model definition is not a list of [layer, definition] pairs")
+
+
+def checkpoint_iteration(folder):
+    """The iteration DIR's checkpoint holds (read from its metadata alone), or None."""
+    try:
+        with np.load(checkpoint_path(folder), allow_pickle=False) as stored:
+            meta = json.loads(stored["__meta__"].tobytes().decode("utf-8"))
+        iteration = meta["iteration"]
+        return iteration if isinstance(iteration, int) else None
+    except Exception:   # noqa: BLE001  (only a hint for a message: any damage means "unknown")
+        return None
+
+
+def resume_command(argv, lr=None):
+    """The command that resumes this run: its own flags, with --resume instead of
+    --overwrite / --resume-if-present (and --lr replaced where given)."""
+    dropped = {"--overwrite", "--resume", "--resume-if-present"}
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in dropped or (lr is not None and arg.startswith("--lr=")):
+            continue
+        if lr is not None and arg == "--lr":
+            skip = True
+            continue
+        out.append(arg)
+    out.append("--resume")
+    if lr is not None:
+        out += ["--lr", f"{lr:g}"]
+    return "python train.py " + " ".join(shlex.quote(arg) for arg in out)
+
+
+def interrupted_note(args):
+    """What Ctrl-C leaves: which iteration the checkpoint holds and the command that resumes it."""
+    if not getattr(args, "checkpoint", None):
+        return "no --checkpoint was given: nothing to resume"
+    path = checkpoint_path(args.checkpoint)
+    if not os.path.exists(path):
+        return f"no checkpoint was written to {args.checkpoint} yet: nothing to resume"
+    iteration = checkpoint_iteration(args.checkpoint)
+    held = f"iteration {iteration}" if iteration is not None else "an unreadable checkpoint"
+    if not getattr(args, "checkpoint_owned", False):
+        return f"{path} still holds the earlier run's {held} (this run had not written one yet)"
+    return f"{path} holds {held}; resume with: {resume_command(getattr(args, 'command_line', []))}"
 
 
 def restore_state(net, values, path):
@@ -499,20 +635,70 @@ RESUME_KEYS = ("model", "data", "holdout", "input_size", "batch_size", "crop_pad
                "add_loss")
 
 
+# what a resume may change: the learning-rate schedule (e.g. after a NaN loss)
+RESUME_CHANGEABLE = ("lr", "lr_step", "lr_gamma")
+
+
 def apply_checkpoint_config(args, given, meta, folder):
+    """Take the checkpoint's configuration for the flags not given; returns {key: [old, new]}
+    for the schedule flags given with a new value (any other difference is refused)."""
     stored = meta["config"]
+    changed = {}
     for key in RESUME_KEYS:
         if key not in stored or not hasattr(args, key):
             continue
         if key == "flip" and getattr(args, key) == "auto":
             given = given - {"flip"}
         if key in given and getattr(args, key) != stored[key]:
+            if key in RESUME_CHANGEABLE:
+                changed[key] = [stored[key], getattr(args, key)]
+                continue
             flag = "--" + key.replace("_", "-")
             raise MinigistError(f"--resume: the checkpoint in {folder} was made with {flag} {stored[key]}, "
                                 f"not {getattr(args, key)} (drop {flag} to continue with the checkpoint's)")
         setattr(args, key, stored[key])
     if "epochs" not in given and "iters" not in given:
         args.epochs, args.iters = stored.get("epochs"), stored.get("iters")
+    return changed
+
+
+def check_output_paths(args):
+    """Every file the run will write, checked before anything runs: its folder exists, it is
+    not a folder itself, and it can be written."""
+    for flag, path in (("--report-json", args.report_json), ("--plot", args.plot), ("--trace", args.trace),
+                       ("--log", args.log)):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise MinigistError(f"{flag}: {path} is a folder; give a file name")
+        if not os.path.isdir(folder):
+            raise MinigistError(f"{flag}: cannot write {path}: the folder {folder} does not exist")
+        if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+            raise MinigistError(f"{flag}: cannot write {path}: permission denied")
+
+
+def prepare_checkpoint_folder(folder):
+    """Create DIR (and its parents) now, so that an unusable one fails before training."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise MinigistError(f"--checkpoint: {folder} exists and is not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise MinigistError(f"--checkpoint: cannot create {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise MinigistError(f"--checkpoint: cannot write in {folder}: permission denied")
+
+
+def check_fits_machine(graph, model):
+    """Before the data and the arena: the training plan needs at least every parameter and the
+    largest blob (float32); refuse in one line if even that is more than this machine has."""
+    params = sum(math.prod(int(d) for d in p.shape) for layer in graph.layers for p in layer.params)
+    largest = max((math.prod(int(d) for d in blob.shape) for blob in graph.blobs.values()), default=0)
+    itemsize = np.dtype(np.float32).itemsize
+    check_fits((params + largest) * itemsize,
+               f"--model {model} at batch {graph.batch_size}, input {'x'.join(map(str, graph.input_shape))}: "
+               f"training (its parameters and its largest feature map alone)", at_least=True)
 
 
 # ---- evaluation ----------------------------------------------------------------------------
@@ -599,20 +785,36 @@ def footprint_lines(path, args, report):
 # ---- the run -------------------------------------------------------------------------------
 def run(args, given):
     np.seterr(all="ignore")     # overflow shows up as a non-finite loss or weight, reported in one line
-    if args.resume and not args.checkpoint:
-        raise MinigistError("--resume needs --checkpoint DIR (the folder to resume from)")
+    check_output_paths(args)
+    resume_flag = "--resume" if args.resume else "--resume-if-present"
+    if (args.resume or args.resume_if_present) and not args.checkpoint:
+        raise MinigistError(f"{resume_flag} needs --checkpoint DIR (the folder to resume from)")
+    if args.overwrite and (args.resume or args.resume_if_present):
+        raise MinigistError(f"--overwrite starts a new run: it cannot be combined with {resume_flag}")
     if args.checkpoint:
         if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
             raise MinigistError(f"--checkpoint: {args.checkpoint} exists and is not a folder")
         remove_stale_temporaries(args.checkpoint)
-    resumed = read_checkpoint(args.checkpoint) if args.resume else None
-    if args.resume and resumed is None:
-        print(f"--resume: no checkpoint in {args.checkpoint} yet: starting from scratch")
+    present = bool(args.checkpoint) and os.path.exists(checkpoint_path(args.checkpoint))
+    resumed = read_checkpoint(args.checkpoint) if (args.resume or args.resume_if_present) and present else None
+    if args.resume and not present:
+        raise MinigistError(f"--resume: no checkpoint in {args.checkpoint} ({checkpoint_path(args.checkpoint)} does "
+                            f"not exist); check the folder, or pass --resume-if-present to start from scratch "
+                            f"when there is none")
+    if args.resume_if_present and not present:
+        print(f"--resume-if-present: no checkpoint in {args.checkpoint} yet: starting from scratch")
+    if present and resumed is None and not (args.overwrite or args.plan_only or args.summary):
+        iteration = checkpoint_iteration(args.checkpoint)
+        held = f" (iteration {iteration})" if iteration is not None else ""
+        raise MinigistError(f"--checkpoint: {args.checkpoint} already holds a checkpoint{held}; pass --resume to "
+                            f"continue it, or --overwrite to replace it with this new run's")
+    args.checkpoint_owned = resumed is not None
     if "threads" not in given:   # what runs: OPENBLAS_NUM_THREADS may have chosen it
         args.threads = blas.get_threads() or args.threads
+    schedule_change = {}
     if resumed is not None:
         threads = args.threads
-        apply_checkpoint_config(args, given, resumed[0], args.checkpoint)
+        schedule_change = apply_checkpoint_config(args, given, resumed[0], args.checkpoint)
         if args.threads != threads:
             # BLAS's and oneDNN's float results depend on their thread counts: run the
             # checkpoint's, so that the resumed run ends with the uninterrupted run's bits
@@ -643,9 +845,27 @@ def run(args, given):
         if args.input_size is None:
             raise
         raise MinigistError(f"--input-size {args.input_size}: {args.model} cannot take it: {exc}") from None
+    check_fits_machine(graph, args.model)
+    model_now = model_definition(path)
+    if resumed is not None:
+        change = model_change(resumed[0]["model"], model_now)
+        if change and not args.allow_model_change:
+            raise MinigistError(f"--resume: {path} changed since the checkpoint in {args.checkpoint} was written: "
+                                f"{change}; restore it, or pass --allow-model-change to resume with the edited model")
+        if change:
+            print(f"--allow-model-change: resuming with the edited model ({change})")
+            schedule_change["model"] = change
+    if args.checkpoint:
+        prepare_checkpoint_folder(args.checkpoint)
     classes = _class_count(graph, args.model)
-    data = datasets.load_dataset(args.data, tuple(graph.input_shape), classes, holdout=args.holdout,
-                                 seed=args.seed)
+    try:
+        data = datasets.load_dataset(args.data, tuple(graph.input_shape), classes, holdout=args.holdout,
+                                     seed=args.seed)
+    except MemoryError as exc:
+        shape, dtype = getattr(exc, "shape", None), getattr(exc, "dtype", None)
+        needed = f"{math.prod(shape) * dtype.itemsize:,} bytes for an array {shape}" if shape and dtype else "more"
+        raise MinigistError(f"--data: the images of {args.data} at input {'x'.join(map(str, graph.input_shape))} "
+                            f"need {needed}: more memory than this machine can give (a smaller --input-size)") from None
     solver = minigist.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     # with SSDC in play the budget is checked after calibration, against the measured plan
     calibrates = args.gist in ("lossless", "all")
@@ -675,12 +895,16 @@ def run(args, given):
 
     data_rng = np.random.default_rng(args.seed)
     iteration, epoch, batch_in_epoch, order = 0, 0, 0, None
-    history = []
+    history, changes = [], []
     if resumed is not None:
         meta, order, values = resumed
         if meta.get("data") != data.fingerprint():
             raise MinigistError(f"--resume: the data differ from the checkpoint's ({args.data}: "
-                                f"{meta.get('data', {}).get('train')} training images then, {len(data.train)} now)")
+                                f"{meta['data'].get('train')} training images then, {len(data.train)} now)")
+        if meta["batch_in_epoch"] and (order is None or meta["batch_in_epoch"] >= ipe
+                                       or not np.array_equal(np.sort(order), np.arange(len(data.train)))):
+            raise MinigistError(f"--resume: {checkpoint_path(args.checkpoint)} is damaged: its epoch position "
+                                f"({meta['batch_in_epoch']} batches) does not fit this data's epochs")
     # Gist's sparse encodings plan their size from a few measured batches (before any state is restored)
     if calibrates:
         calib_rng = np.random.default_rng(args.seed + 7919)
@@ -694,9 +918,14 @@ def run(args, given):
         set_rng_state(net.rng, meta["net_rng"])
         iteration, epoch, batch_in_epoch = meta["iteration"], meta["epoch"], meta["batch_in_epoch"]
         history = meta.get("history", [])
+        changes = meta["changes"] + ([dict(schedule_change, iteration=iteration)] if schedule_change else [])
         resumed_losses = meta.get("epoch_losses", [])
         print(f"resumed from {checkpoint_path(args.checkpoint)}: iteration {iteration}, epoch {epoch}"
               + (f" + {batch_in_epoch} batches" if batch_in_epoch else ""))
+        for key in RESUME_CHANGEABLE:
+            if key in schedule_change:
+                print(f"--{key.replace('_', '-')} {schedule_change[key][1]:g} from iteration {iteration} on "
+                      f"(was {schedule_change[key][0]:g}; the schedule counts from iteration 0)")
 
     report = net.report()
     report["model"] = args.model
@@ -728,9 +957,12 @@ def run(args, given):
         ckpt_info = {"path": checkpoint_path(args.checkpoint), "iteration": iteration}
 
     def kept_note():
+        # every checkpoint written here, or resumed from, was checked to hold finite values only
         if not ckpt_info["path"]:
             return "; no checkpoint was written" if args.checkpoint else ""
-        return f"; the last good checkpoint ({ckpt_info['path']}, iteration {ckpt_info['iteration']}) is kept"
+        return (f"; the last checkpoint ({ckpt_info['path']}, iteration {ckpt_info['iteration']}) is kept, every "
+                f"value in it finite; resume it with a lower learning rate: "
+                f"{resume_command(getattr(args, 'command_line', []), lr=args.lr / 10)}")
 
     def save(order_now):
         if not args.checkpoint:
@@ -744,8 +976,9 @@ def run(args, given):
         meta = {"format": CHECKPOINT_FORMAT, "config": config, "data": data.fingerprint(),
                 "iteration": iteration, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                 "data_rng": rng_state(data_rng), "net_rng": rng_state(net.rng), "history": history,
-                "epoch_losses": epoch_losses if batch_in_epoch else []}
+                "epoch_losses": epoch_losses if batch_in_epoch else [], "model": model_now, "changes": changes}
         written = write_checkpoint(args.checkpoint, state, meta, order_now if batch_in_epoch else None)
+        args.checkpoint_owned = True
         ckpt_info.update(path=written, iteration=iteration)
         log.write("checkpoint", path=written, iteration=iteration, epoch=epoch)
 
@@ -854,9 +1087,10 @@ def epoch_line(record, epochs, complete):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = join_negative_sizes(sys.argv[1:] if argv is None else list(argv))
     parser = make_parser()
     args = parser.parse_args(argv)
+    args.command_line = argv
     given = explicit_flags(parser, argv)
     try:
         return run(args, given)
@@ -865,7 +1099,7 @@ def main(argv=None):
         print(f"train.py: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ntrain.py: interrupted (the last checkpoint, if any, is intact)", file=sys.stderr)
+        print(f"\ntrain.py: interrupted; {interrupted_note(args)}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         try:

@@ -1,6 +1,6 @@
 """The part of Caffe's caffe.proto that model files use, as field-name -> type tables.
 
-A type is a scalar ("string", "bool", "int", "uint", "float"), an enum name from ENUMS, or a
+A type is a scalar ("string", "bool", "int" (int32), "uint" (uint32), "int64", "float"), an enum name from ENUMS, or a
 message name from SCHEMA; a leading "*" marks a repeated field. Message types not listed in
 SCHEMA (parameters of layers minigist does not implement) are parsed but not checked, so a
 file that uses them fails on the layer type, with a clearer message.
@@ -45,7 +45,7 @@ SCHEMA = {
         "phase": "Phase", "min_level": "int", "max_level": "int", "stage": "*string",
         "not_stage": "*string",
     },
-    "BlobShape": {"dim": "*int"},
+    "BlobShape": {"dim": "*int64"},
     "BlobProto": {
         "shape": "BlobShape", "data": "*float", "diff": "*float", "double_data": "*float",
         "double_diff": "*float", "num": "int", "channels": "int", "height": "int", "width": "int",

@@ -19,6 +19,7 @@ normalized per channel with the mean and standard deviation of the training part
 - synthetic: random images whose label is carried by a class-specific pattern.
 """
 import os
+import warnings
 
 import numpy as np
 
@@ -267,15 +268,26 @@ def read_folder(root, shape):
     return out, np.asarray(labels, dtype=np.int64), class_dirs
 
 
+def open_image(path):
+    """Image.open, refusing an image over Pillow's MAX_IMAGE_PIXELS (89.5 million pixels):
+    Pillow only warns up to twice that, and a training image that large is a damaged or
+    hostile header (a decompression bomb), not a photo to shrink to the input size."""
+    from PIL import Image
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        return Image.open(path)
+
+
 def decode_image(path, channels, height, width):
     """One image file -> uint8 (C, H, W): converted to RGB or L, the shorter side resized to
     fit, centre-cropped."""
     from PIL import Image, UnidentifiedImageError
     try:
-        with Image.open(path) as image:
+        with open_image(path) as image:
             image.load()
             image = image.convert("RGB" if channels == 3 else "L")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
+            Image.DecompressionBombError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
         raise MinigistError(f"--data: cannot decode image {path}: {reason}") from None
     w, h = image.size

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import blas
 from .backend import get_xp, to_numpy
+from .checkpoint import read_npz, with_digest
 from .errors import MinigistError
 from .codecs import GistConfig
 from .codecs import kernels as codec_kernels
@@ -27,6 +28,7 @@ from .graph import build_graph
 from .layers.conv import Convolution
 from . import onednn
 from .memory import plan_none
+from .memory.available import check_fits
 from .memory.plan import MODES, MemoryPlan
 from .memory.pool import Pool
 from .memory.report import footprint_report
@@ -146,6 +148,9 @@ class Net:
         else:
             transient = max(plan.transient_bytes for plan in self.plans.values())
         self.arena_bytes = self.persistent_bytes + transient
+        if self.xp is np:   # before the arena and the weights exist: one line, not numpy's MemoryError
+            check_fits(self.arena_bytes, f"{self.model}: the {alloc} arena (weights, their gradients, momentum "
+                                         f"and the per-iteration buffers at batch {self.train_graph.batch_size})")
         self.arena = new_arena(self.xp, self.arena_bytes)
         self.arrays = {name: view(self.arena, persistent_offsets[name], buffer.shape, buffer.dtype)
                        for name, buffer in persistent.items()}
@@ -307,19 +312,15 @@ class Net:
         return out
 
     def save(self, path, with_momentum=False):
-        """Write the weights (and momentum) to a .npz file atomically."""
+        """Write the weights (and momentum) to a .npz file atomically, with a digest of the
+        arrays that `load` checks."""
         arrays = self.state() if with_momentum else {k: to_numpy(v) for k, v in self.params().items()}
-        save_npz_atomic(path, arrays)
+        save_npz_atomic(path, with_digest(arrays))
 
     def load(self, path):
-        """Read weights (and momentum, if present) from a .npz written by `save`."""
-        try:
-            with np.load(path, allow_pickle=False) as stored:
-                values = {key: stored[key] for key in stored.files}
-        except FileNotFoundError:
-            raise MinigistError(f"{path}: weights file not found") from None
-        except (OSError, ValueError) as exc:
-            raise MinigistError(f"{path}: not a readable .npz weights file ({exc})") from None
+        """Read weights (and momentum, if present) from a .npz written by `save` (its digest
+        checked) or by np.savez."""
+        values = read_npz(path, "weights file")
         targets = self._state_targets()
         missing = [k for k in self.params() if k not in values]
         if missing:

@@ -5,6 +5,7 @@ blob feeds several layers) and SGD updates. Every buffer carries its shape, dtyp
 and after `compute_liveness` its first_use and last_use step, which is all a memory planner
 needs. Later passes (in-place, Gist encode/decode) rewrite the program before planning.
 """
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +39,7 @@ class Buffer:
 
     @property
     def nbytes(self):
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(int(d) for d in self.shape) * np.dtype(self.dtype).itemsize   # exact: no int64 wrap
 
     @property
     def persistent(self):

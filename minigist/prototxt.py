@@ -20,6 +20,14 @@ _TOKEN = re.compile(r"""
 """, re.VERBOSE)
 
 
+# deeper nesting than this is an error, not a RecursionError: Caffe's own model files nest a few
+# levels (layer { convolution_param { weight_filler { } } }); protobuf's parsers stop at 100
+MAX_DEPTH = 100
+
+# Caffe's integer fields are int32 / uint32 (BlobShape's dims int64): the ranges a value must fit
+INT_RANGES = {"int": (-2**31, 2**31 - 1), "uint": (0, 2**32 - 1), "int64": (-2**63, 2**63 - 1)}
+
+
 class Msg:
     """One parsed message: fields in file order, each with the line it was written on."""
 
@@ -107,7 +115,9 @@ class _Parser:
     def fail(self, line, message):
         raise ModelFileError(self.path, line, message)
 
-    def parse_message(self, type_name, line, closer):
+    def parse_message(self, type_name, line, closer, depth=0):
+        if depth > MAX_DEPTH:
+            self.fail(line, f"blocks nested more than {MAX_DEPTH} deep (Caffe's model files nest a few levels)")
         msg = Msg(type_name, line)
         fields = SCHEMA.get(type_name)  # None: an opaque message, any fields accepted
         seen = set()
@@ -147,7 +157,7 @@ class _Parser:
                 self.take()
                 kind, value, value_line = self.peek()
             if kind == "punct" and value in "{<":
-                msg.fields.append((name, self.parse_block(spec, name, tok_line), tok_line))
+                msg.fields.append((name, self.parse_block(spec, name, tok_line, depth), tok_line))
             elif kind == "punct" and value == "[":
                 self.take()
                 if not repeated:
@@ -161,7 +171,7 @@ class _Parser:
                         if value == "]":
                             break
                     elif kind == "punct" and value in "{<":
-                        msg.fields.append((name, self.parse_block(spec, name, value_line), value_line))
+                        msg.fields.append((name, self.parse_block(spec, name, value_line, depth), value_line))
                     else:
                         self.take()
                         msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), value_line))
@@ -169,12 +179,13 @@ class _Parser:
                 self.take()
                 msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), tok_line))
 
-    def parse_block(self, spec, name, line):
-        """The `{ ... }` or `< ... >` value of field `name`, its opener being the next token."""
+    def parse_block(self, spec, name, line, depth):
+        """The `{ ... }` or `< ... >` value of field `name`, its opener being the next token;
+        `depth`: that of the message holding the field."""
         _, opener, _ = self.take()
         if spec is not None and (spec in _SCALARS or spec in ENUMS):
             self.fail(line, f"field '{name}' takes a value, not a block")
-        return self.parse_message(spec if spec is not None else "?", line, "}" if opener == "{" else ">")
+        return self.parse_message(spec if spec is not None else "?", line, "}" if opener == "{" else ">", depth + 1)
 
     def convert(self, spec, kind, value, line, name, type_name):
         if kind in ("eof", "punct"):
@@ -192,7 +203,7 @@ class _Parser:
             if kind in ("ident", "number") and lowered in ("true", "false", "1", "0", "t", "f"):
                 return lowered in ("true", "1", "t")
             self.fail(line, f"field '{name}' takes true or false, found {value}")
-        if spec in ("int", "uint"):
+        if spec in INT_RANGES:
             if kind != "number":
                 self.fail(line, f"field '{name}' takes an integer, found {value}")
             try:
@@ -201,6 +212,11 @@ class _Parser:
                 self.fail(line, f"field '{name}' takes an integer, found {value}")
             if spec == "uint" and number < 0:
                 self.fail(line, f"field '{name}' cannot be negative, found {value}")
+            low, high = INT_RANGES[spec]
+            if not low <= number <= high:
+                bits = {"int": "int32", "uint": "uint32", "int64": "int64"}[spec]
+                self.fail(line, f"field '{name}' is {bits} in Caffe's schema: {value} is out of range "
+                                f"({low:,} to {high:,})")
             return number
         if spec == "float":
             if kind != "number":
@@ -220,7 +236,7 @@ class _Parser:
         raise AssertionError(f"schema type {spec} unknown")
 
 
-_SCALARS = ("string", "bool", "int", "uint", "float")
+_SCALARS = ("string", "bool", "int", "uint", "int64", "float")
 
 
 def parse(text, path="<string>", root="NetParameter"):
