@@ -554,6 +554,9 @@ def check_meta(meta):
                 action.type(str(value))
             except (argparse.ArgumentTypeError, ValueError) as exc:
                 raise ValueError(f"the configuration's {key}: {exc}") from None
+        elif isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise ValueError(f"the configuration's {key} is {value!r}, not true or false")
         elif action.choices is None and not isinstance(value, str):
             raise ValueError(f"the configuration's {key} is {value!r}, not a string")
     for name in ("data_rng", "net_rng"):

@@ -8,6 +8,7 @@ the zip layer or the digest notices is one MinigistError naming the file.
 import hashlib
 import json
 import struct
+import tokenize
 import zipfile
 import zlib
 
@@ -21,7 +22,8 @@ DIGEST_KEY = "__digest__"
 # what a damaged zip or .npy member raises inside np.load and zipfile
 _DAMAGE = (OSError, ValueError, KeyError, EOFError, IndexError, TypeError, OverflowError,
            UnicodeDecodeError, NotImplementedError, zipfile.BadZipFile, zipfile.LargeZipFile,
-           RuntimeError, MemoryError, zlib.error, struct.error, SyntaxError)   # RuntimeError: an "encrypted" flag bit
+           RuntimeError, MemoryError, zlib.error, struct.error, SyntaxError, tokenize.TokenError)
+# RuntimeError: an "encrypted" flag bit; SyntaxError, TokenError: a damaged .npy header
 
 
 def arrays_digest(arrays):
