@@ -98,6 +98,14 @@ layer { name: "data" type: "Input" top: "data" top: "label"
         minigist.build_graph(gray_input, input_channels=3)
     one_line_error(run_cli("--model", gray_input, "--input-channels", 3, "--summary"),
                    "small.prototxt:2", "1 input channel", "--input-channels")
+    legacy = small_model(tmp_path, """
+input: "data"
+input_dim: 2 input_dim: 1 input_dim: 8 input_dim: 8
+input: "label"
+input_dim: 2 input_dim: 1 input_dim: 1 input_dim: 1""")
+    assert minigist.build_graph(legacy).input_shape == (1, 8, 8)
+    with pytest.raises(ModelFileError, match="the file gives 1 input channel"):
+        minigist.build_graph(legacy, input_channels=3)
     # an RGB folder is still fed to the file's 1 channel (and mnist5k's gray to a 3-channel model)
     memory = small_model(tmp_path, """
 layer { name: "data" type: "MemoryData" top: "data" top: "label"
