@@ -814,6 +814,7 @@ def run(args, given):
     epoch_losses, epoch_images, epoch_seconds = (resumed_losses if resumed is not None else []), 0, 0.0
     last_eval = None
     train_sample = data.train_sample(args.train_eval_size) if args.train_eval_size else None
+    eval_batch = net.graphs["TEST"].batch_size     # a Caffe file's TEST data layer may give its own
     while iteration < total:
         if batch_in_epoch == 0:
             order = data.epoch_order(data_rng)
@@ -857,10 +858,10 @@ def run(args, given):
                   "images_per_s": round(epoch_images / max(epoch_seconds, 1e-9), 2)}
         if run_done or (args.eval_every and epoch_done and epoch % args.eval_every == 0):
             if args.train_eval_size:
-                train_eval = evaluate(net, data, train_sample, batch, names)
+                train_eval = evaluate(net, data, train_sample, eval_batch, names)
                 record["train_accuracy"] = train_eval.get("accuracy")
             if len(data.heldout):
-                last_eval = evaluate(net, data, data.heldout, batch, names)
+                last_eval = evaluate(net, data, data.heldout, eval_batch, names)
                 record["heldout_accuracy"] = last_eval.get("accuracy")
                 record["heldout_loss"] = last_eval.get("loss")
         current = net.report()
@@ -873,7 +874,7 @@ def run(args, given):
     elapsed = time.perf_counter() - run_start
 
     if last_eval is None and len(data.heldout):
-        last_eval = evaluate(net, data, data.heldout, batch, names)
+        last_eval = evaluate(net, data, data.heldout, eval_batch, names)
     report = net.report()
     report["model"] = args.model
     report["training"] = {"iterations": iteration, "epochs": round(iteration / ipe, 3), "seconds": round(elapsed, 2),

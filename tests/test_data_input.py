@@ -283,3 +283,12 @@ def test_vgg_small_trains_at_its_default_lr():
     given = run_cli("--model", "vgg_small", "--iters", 8, "--gist", "none", "--holdout", 0,
                     "--train-eval-size", 0, "--lr", 0.1)
     one_line_error(given, "lr 0.1")
+
+
+def test_lenet_trains_on_mnist5k_with_its_own_test_batch():
+    """Its TEST Data layer says batch_size 100, the TRAIN one 64: evaluation feeds 100s."""
+    result = run_cli("--model", LENET, "--input-size", 28, "--iters", 3, "--lr", 0.01, "--gist", "none",
+                     "--train-eval-size", 200)
+    assert result.returncode == 0, result.stderr
+    assert "431,080 parameters, batch (64, 1, 28, 28)" in result.stdout
+    assert "held-out accuracy" in result.stdout
