@@ -15,7 +15,9 @@ normalized per channel with the mean and standard deviation of the training part
   resized with Pillow otherwise; a 3-channel model gets the gray channel three times.
 - a folder `root/class_name/*.png|jpg|jpeg|bmp|gif|webp`: one subfolder per class (sorted names
   are labels 0, 1, ...); each image is decoded with Pillow, converted to RGB (or L for a
-  1-channel model), its shorter side resized to the input size, then centre-cropped.
+  1-channel model; 16-bit samples by their high byte, alpha dropped), its shorter side resized
+  to the input size, then centre-cropped. Float images and PNGs with cut-short pixel data are
+  refused. `native_channels` says how many channels the data have (1: all gray).
 - synthetic: random images whose label is carried by a class-specific pattern.
 """
 import os
