@@ -64,11 +64,11 @@ class Input(DataLayer):
         if len(shapes) != len(self.spec.tops):
             self.fail(f"{len(self.spec.tops)} top(s) need 1 or {len(self.spec.tops)} shape(s), got {len(shapes)}")
         out = []
-        for shape in shapes:
+        for index, shape in enumerate(shapes):
             shape = list(shape)
             if self.batch_override is not None and shape:
                 shape[0] = self.batch_override
-            if len(shape) == 4:
+            if index == 0 and len(shape) == 4:     # the images; further tops are other inputs
                 shape[1] = self.channels(shape[1])
             if self.size_override is not None and len(shape) == 4:
                 shape[2:] = self.size_override
