@@ -63,6 +63,13 @@ DEFAULT_MODEL = "resnet20"
 DEFAULT_DATA = "mnist5k"
 DEFAULT_EPOCHS = 5
 DEFAULT_LR = 0.1
+# a bundled model's own default base learning rate where DEFAULT_LR does not suit it, as a
+# Caffe model's solver.prototxt gives its base_lr: vgg_small has no BatchNorm and diverges
+# at 0.1 within a few iterations on mnist5k and on folders
+MODEL_LR = {"vgg_small": 0.01}
+# and a linear warm-up (iterations) where its first full-size steps still blow it up (vgg_small:
+# the loss jumps from 2.5 to 15.8 at step 2 at lr 0.01 and the net never recovers on a small folder)
+MODEL_WARMUP = {"vgg_small": 100}
 DEFAULT_LR_STEP = 1.0
 DEFAULT_LR_GAMMA = 0.5
 CHECKPOINT_NAME = "checkpoint.npz"
@@ -173,7 +180,20 @@ data: '{DEFAULT_DATA}' is 5,000 real MNIST digits bundled with minigist (no netw
   (.png .jpg .jpeg .bmp .gif .webp, decoded with Pillow): class names in sorted order are the
   labels; each image is converted to RGB (L for a 1-channel model), resized so that its
   shorter side fits the input size, and centre-cropped. Inputs are normalized per channel with
-  the mean and standard deviation of the training split.
+  the mean and standard deviation of the training split. 16-bit images are taken at their
+  high byte, alpha is dropped (as Caffe's OpenCV reader does), a palette gives its colours;
+  floating-point images and PNGs whose pixel data are cut short are refused. A folder with
+  fewer classes than the model has outputs is trained with a warning; more is an error.
+channels: a count the model file states wins (Input shapes, input_dim, MemoryData channels,
+  ImageData is_color; --input-channels contradicting it is an error); Caffe's Data layer
+  states none (its LMDB does): then --input-channels when given, else the data's own
+  (mnist5k and a folder of gray images: 1, any colour image in the folder: 3), else 3 with
+  a printed note. A 3-channel model gets gray images as three equal channels.
+learning rate: a bundled model without BatchNorm that diverges at {DEFAULT_LR} has its own
+  default, as a Caffe model ships a solver with its own base_lr ({', '.join(f'{m} {v:g}' for m, v in sorted(MODEL_LR.items()))});
+  and, where its first full-size steps still blow it up, a linear warm-up over --warmup
+  iterations (vgg_small 100). The other models start at the full rate. --lr and --warmup
+  always win.
 augmentation: a random crop of the zero-padded image (--crop-pad pixels: input size / 8 for
   folders; none by default for {DEFAULT_DATA}, where it slowed the short default run more than it
   helped, and for synthetic data) and a horizontal flip (--flip auto: on for folders, off for
@@ -192,7 +212,7 @@ checkpoints: --checkpoint DIR writes DIR/{CHECKPOINT_NAME} at every epoch end (a
   replaces it); --resume with no checkpoint in DIR is an error (--resume-if-present starts from
   scratch then). Ctrl-C prints the iteration the checkpoint holds and the command that resumes it.
 defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32 (the model file's), {DEFAULT_EPOCHS} epochs, lr
-  {DEFAULT_LR} times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4,
+  {DEFAULT_LR} ({', '.join(f'{m} {v:g}' for m, v in sorted(MODEL_LR.items()))}) times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4,
   BatchNorm average 0.9, one BLAS thread, Gist lossless. Measured on a 2-core machine
   (other jobs running): 123 s and 135 s, held-out accuracy 98.3% (97.7% with --seed 1 and 2).
 """
@@ -218,6 +238,12 @@ def make_parser():
                             "on the scores that feed its final Softmax (else on its last blob), with a label "
                             "input unless its data layer gives labels, and an Accuracy for evaluation; then "
                             "the file can be planned for training (--plan-only) and trained")
+    group.add_argument("--input-channels", type=positive_int, metavar="N",
+                       help="input channels of a data layer whose file states none (Caffe's Data, "
+                            "ImageData without is_color); default: the data's (1 for mnist5k and a "
+                            "folder of gray images, 3 for a colour folder), else 3. A count the file "
+                            "states (Input shapes, input_dim, MemoryData channels) wins; contradicting it "
+                            "is an error")
     group.add_argument("--crop-pad", type=non_negative_int, metavar="PIXELS",
                        help="random-crop padding for training images, 0 for none (default: see below)")
     group.add_argument("--flip", choices=["auto", "on", "off"], default="auto",
@@ -228,8 +254,16 @@ def make_parser():
     length.add_argument("--epochs", type=positive_int,
                         help=f"passes over the training split (default {DEFAULT_EPOCHS})")
     length.add_argument("--iters", type=positive_int, help="train this many iterations instead of whole epochs")
-    group.add_argument("--lr", type=non_negative_float, default=DEFAULT_LR,
-                       help=f"base learning rate (default {DEFAULT_LR})")
+    group.add_argument("--lr", type=non_negative_float,
+                       help=f"base learning rate (default {DEFAULT_LR}; a bundled model may have its own, as "
+                            f"a Caffe solver's base_lr: "
+                            f"{', '.join(f'{m} {v:g}' for m, v in sorted(MODEL_LR.items()))}; a given --lr "
+                            f"always wins)")
+    group.add_argument("--warmup", type=non_negative_int, metavar="ITERS",
+                       help="raise the learning rate linearly from lr/ITERS to lr over the first ITERS "
+                            "iterations (default 0; a bundled model may have its own: "
+                            f"{', '.join(f'{m} {v}' for m, v in sorted(MODEL_WARMUP.items()))}; a given "
+                            "--warmup always wins)")
     group.add_argument("--lr-step", type=non_negative_float, default=DEFAULT_LR_STEP, metavar="EPOCHS",
                        help="multiply the learning rate by --lr-gamma every EPOCHS epochs (fractions "
                             f"allowed; 0 keeps it constant; default {DEFAULT_LR_STEP:g})")
@@ -304,8 +338,9 @@ def make_parser():
                        help="evaluate on the held-out split every EPOCHS epochs (default 1; 0: only at the "
                             "end; the end of the run is always evaluated)")
     group.add_argument("--train-eval-size", type=non_negative_int, default=1000, metavar="N",
-                       help="training accuracy is measured in test mode on the first N images of the "
-                            "training split (default 1000; 0: not measured)")
+                       help="training accuracy is measured in test mode on a fixed stratified sample "
+                            "of N training images, every class in proportion, the same for every --seed "
+                            "(default 1000; 0: not measured)")
     group.add_argument("--log", metavar="PATH",
                        help="write metrics as JSON lines (one object per iteration, epoch, checkpoint, end)")
     group.add_argument("--report-json", metavar="PATH", help="write the footprint report as JSON to PATH")
@@ -363,12 +398,47 @@ def _output_names(net):
     return accuracy, loss
 
 
+def default_lr(model):
+    """The base learning rate when --lr is not given: the bundled model's own, else DEFAULT_LR."""
+    return MODEL_LR.get(model, DEFAULT_LR)
+
+
+def input_channels_for(path, args, data_given):
+    """The channel count to build the data layers with: --input-channels when given (the
+    graph refuses it where the file states another), None where the file states every data
+    layer's, else the data's own (`data_given`: --data is read), else 3 with a printed note."""
+    if args.input_channels is not None:
+        return args.input_channels
+    graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size)
+    if all(layer.channels_stated for layer in graph.layers if layer.is_data):
+        return None
+    native = datasets.native_channels(args.data) if data_given else None
+    if native is None:
+        why = f"--data {args.data} has none of its own" if data_given else "no --data given"
+        print(f"input channels: 3 assumed ({args.model}'s data layer states no channel count and {why}; "
+              f"set --input-channels)")
+        return 3
+    print(f"input channels: {native}, those of --data {args.data} ({args.model}'s data layer states none)")
+    return native
+
+
+def class_count_note(data, classes, data_name):
+    """A warning when the data have fewer classes than the model has outputs (more are refused
+    when the data are loaded)."""
+    if data.classes < classes:
+        return (f"warning: --data {data_name} has {data.classes} classes, the model predicts {classes}: "
+                f"{classes - data.classes} outputs are never a label (use a model with {data.classes} outputs)")
+    return None
+
+
 def lr_at(args, iteration, iters_per_epoch):
-    """The step schedule: lr * gamma ** floor(epochs done / lr_step)."""
+    """The step schedule, lr * gamma ** floor(epochs done / lr_step), times a linear warm-up
+    (iteration + 1) / warmup over the first --warmup iterations."""
+    warmup = min(1.0, (iteration + 1) / args.warmup) if args.warmup else 1.0
     if not args.lr_step:
-        return args.lr
+        return args.lr * warmup
     steps = math.floor(iteration / (args.lr_step * iters_per_epoch) + 1e-9)
-    return args.lr * args.lr_gamma ** steps
+    return args.lr * args.lr_gamma ** steps * warmup
 
 
 def set_bn_average(net, fraction):
@@ -633,13 +703,13 @@ def restore_state(net, values, path):
 
 
 # the configuration a checkpoint records; a resumed run takes it for the flags it does not give
-RESUME_KEYS = ("model", "data", "holdout", "input_size", "batch_size", "crop_pad", "flip", "lr", "lr_step",
+RESUME_KEYS = ("model", "data", "holdout", "input_size", "batch_size", "crop_pad", "flip", "lr", "warmup", "lr_step",
                "lr_gamma", "momentum", "weight_decay", "bn_average", "seed", "gist", "dpr", "conv", "threads",
                "add_loss")
 
 
 # what a resume may change: the learning-rate schedule (e.g. after a NaN loss)
-RESUME_CHANGEABLE = ("lr", "lr_step", "lr_gamma")
+RESUME_CHANGEABLE = ("lr", "warmup", "lr_step", "lr_gamma")
 
 
 def apply_checkpoint_config(args, given, meta, folder):
@@ -742,13 +812,14 @@ def plan_for(path, args, alloc=None, gist=None):
     """The footprint report from shapes alone."""
     return plan_footprint(path, args.batch_size, args.input_size, alloc or args.alloc,
                           gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update,
-                          conv=args.conv, add_loss=args.add_loss)
+                          conv=args.conv, add_loss=args.add_loss, input_channels=args.input_channels)
 
 
 def shapes_only_plan(path, args):
     """A MemoryPlan of the training program built from shapes alone (for --plan-only plots)."""
     from minigist.memory.plan import MemoryPlan
-    graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss)
+    graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
+                                 input_channels=args.input_channels)
     set_conv_engine([graph], args.conv)
     program = minigist.build_program(graph, train=True, fused_update=args.update == "fused")
     program = apply_gist(program, GistConfig(args.gist, args.dpr))
@@ -823,9 +894,16 @@ def run(args, given):
             # checkpoint's, so that the resumed run ends with the uninterrupted run's bits
             blas.set_threads(args.threads)
             onednn.set_threads(args.threads)
+    if args.lr is None:
+        args.lr = default_lr(args.model)
+    if args.warmup is None:
+        args.warmup = MODEL_WARMUP.get(args.model, 0)
     path = resolve_model(args.model)
+    if args.summary or args.plan_only:
+        args.input_channels = input_channels_for(path, args, "data" in given)
     if args.summary:
-        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss)
+        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
+                                     input_channels=args.input_channels)
         print(minigist.summary(graph))
         return 0
     if args.plan_only:
@@ -843,7 +921,9 @@ def run(args, given):
 
     # the data first (from the graph's shapes), so that bad data fails before memory is allocated
     try:
-        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss)
+        args.input_channels = input_channels_for(path, args, True)
+        graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
+                                     input_channels=args.input_channels)
     except MinigistError as exc:
         if args.input_size is None:
             raise
@@ -869,11 +949,14 @@ def run(args, given):
         needed = f"{math.prod(shape) * dtype.itemsize:,} bytes for an array {shape}" if shape and dtype else "more"
         raise MinigistError(f"--data: the images of {args.data} at input {'x'.join(map(str, graph.input_shape))} "
                             f"need {needed}: more memory than this machine can give (a smaller --input-size)") from None
+    note = class_count_note(data, classes, args.data)
+    if note:
+        print(note)
     solver = minigist.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     # with SSDC in play the budget is checked after calibration, against the measured plan
     calibrates = args.gist in ("lossless", "all")
     net = minigist.Net(path, batch_size=args.batch_size, input_size=args.input_size, device=args.device,
-                       seed=args.seed, solver=solver, alloc=args.alloc,
+                       seed=args.seed, solver=solver, alloc=args.alloc, input_channels=args.input_channels,
                        memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
                        **gist_kwargs(args))
     if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
@@ -948,6 +1031,7 @@ def run(args, given):
     if args.gist != "none":
         print(f"codecs: {codec_kernels.describe(net.xp)}")
     schedule = f" x{args.lr_gamma:g} every {args.lr_step:g} epochs" if args.lr_step else ""
+    schedule += f", warm-up {args.warmup} iterations" if args.warmup else ""
     print(f"data {data.describe()}; crop pad {args.crop_pad}, flip {args.flip}; {total} iterations "
           f"({ipe} per epoch), lr {args.lr:g}{schedule}")
 
@@ -990,6 +1074,8 @@ def run(args, given):
     train_images = 0
     epoch_losses, epoch_images, epoch_seconds = (resumed_losses if resumed is not None else []), 0, 0.0
     last_eval = None
+    train_sample = data.train_sample(args.train_eval_size) if args.train_eval_size else None
+    eval_batch = net.graphs["TEST"].batch_size     # a Caffe file's TEST data layer may give its own
     while iteration < total:
         if batch_in_epoch == 0:
             order = data.epoch_order(data_rng)
@@ -1033,10 +1119,10 @@ def run(args, given):
                   "images_per_s": round(epoch_images / max(epoch_seconds, 1e-9), 2)}
         if run_done or (args.eval_every and epoch_done and epoch % args.eval_every == 0):
             if args.train_eval_size:
-                train_eval = evaluate(net, data, data.train, batch, names, args.train_eval_size)
+                train_eval = evaluate(net, data, train_sample, eval_batch, names)
                 record["train_accuracy"] = train_eval.get("accuracy")
             if len(data.heldout):
-                last_eval = evaluate(net, data, data.heldout, batch, names)
+                last_eval = evaluate(net, data, data.heldout, eval_batch, names)
                 record["heldout_accuracy"] = last_eval.get("accuracy")
                 record["heldout_loss"] = last_eval.get("loss")
         current = net.report()
@@ -1049,7 +1135,7 @@ def run(args, given):
     elapsed = time.perf_counter() - run_start
 
     if last_eval is None and len(data.heldout):
-        last_eval = evaluate(net, data, data.heldout, batch, names)
+        last_eval = evaluate(net, data, data.heldout, eval_batch, names)
     report = net.report()
     report["model"] = args.model
     report["training"] = {"iterations": iteration, "epochs": round(iteration / ipe, 3), "seconds": round(elapsed, 2),

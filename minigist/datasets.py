@@ -15,7 +15,9 @@ normalized per channel with the mean and standard deviation of the training part
   resized with Pillow otherwise; a 3-channel model gets the gray channel three times.
 - a folder `root/class_name/*.png|jpg|jpeg|bmp|gif|webp`: one subfolder per class (sorted names
   are labels 0, 1, ...); each image is decoded with Pillow, converted to RGB (or L for a
-  1-channel model), its shorter side resized to the input size, then centre-cropped.
+  1-channel model; 16-bit samples by their high byte, alpha dropped), its shorter side resized
+  to the input size, then centre-cropped. Float images and PNGs with cut-short pixel data are
+  refused. `native_channels` says how many channels the data have (1: all gray).
 - synthetic: random images whose label is carried by a class-specific pattern.
 """
 import os
@@ -32,6 +34,9 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 # (ResNet-20, 4-5 epochs): shifting the digits by up to 2 pixels slowed the fit more than it
 # helped held-out accuracy (96.4% vs 97.0% after 4 epochs); --crop-pad turns it on.
 MNIST_CROP_PAD = 0
+# Pillow modes that hold more than 8 bits per sample: scaled to 8 bits by their high byte
+# (Pillow's own conversion to L clips them at 255, which turns a 16-bit image near-white)
+WIDE_GRAY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 class Split:
@@ -77,6 +82,11 @@ class Dataset:
                 "classes": self.class_names, "shape": list(self.train.images.shape[1:]),
                 "train_label_sum": int(self.train.labels.sum()),
                 "train_pixel_sum": int(self.train.images.sum(dtype=np.int64))}
+
+    def train_sample(self, size, seed=0):
+        """A fixed, stratified sample of `size` training images for the training-accuracy
+        figure: every class in proportion (largest remainders), the same for every --seed."""
+        return Split(*_take(self.train, stratified_sample(self.train.labels, size, seed)))
 
     # ---- batches -----------------------------------------------------------------------
     def normalize(self, images):
@@ -159,6 +169,26 @@ def stratified_split(labels, holdout, seed):
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(held))
 
 
+def stratified_sample(labels, size, seed):
+    """Sorted indices of `size` samples (all when size >= len(labels)): each class's share
+    rounded by largest remainders, its members chosen by `seed`."""
+    if size >= len(labels):
+        return np.arange(len(labels))
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(labels, return_counts=True)
+    exact = counts * size / len(labels)
+    quota = np.floor(exact).astype(np.int64)
+    for index in np.argsort(-(exact - quota), kind="stable")[:size - int(quota.sum())]:
+        quota[index] += 1
+    chosen = [rng.permutation(np.flatnonzero(labels == label))[:count]
+              for label, count in zip(classes, quota)]
+    return np.sort(np.concatenate(chosen))
+
+
+def _take(split, indices):
+    return split.images[indices], split.labels[indices]
+
+
 def _make_dataset(name, images, labels, class_names, holdout, split_seed, flip, crop_pad):
     train_idx, held_idx = stratified_split(labels, holdout, split_seed)
     return Dataset(name, Split(images[train_idx], labels[train_idx]),
@@ -192,6 +222,32 @@ def load_dataset(spec, shape, classes, holdout=0.2, split_seed=0, seed=0, synthe
                             f"subfolder of images per class)")
     raise MinigistError(f"--data: no such folder or bundled dataset: {spec} "
                         f"(bundled: {', '.join(sorted(BUNDLED))}, synthetic)")
+
+
+GRAY_MODES = ("1", "L", "LA", "La") + WIDE_GRAY_MODES
+
+
+def native_channels(spec):
+    """The channel count the data itself has, as Caffe's Data layer takes it from its LMDB:
+    1 for the bundled digits, 1 for a folder whose images are all gray (Pillow modes 1, L, LA,
+    16-bit gray), 3 for any other folder; None for synthetic data or a spec that is not data
+    (load_dataset then says what is wrong). Reads image headers only."""
+    if spec in BUNDLED:
+        return 1
+    if not os.path.isdir(spec):
+        return None
+    from PIL import Image
+    for folder, _, names in sorted(os.walk(spec)):
+        for name in sorted(names):
+            if name.startswith(".") or not name.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            try:
+                with Image.open(os.path.join(folder, name)) as image:
+                    if image.mode not in GRAY_MODES:
+                        return 3
+            except (OSError, ValueError, SyntaxError):
+                continue        # read_folder reports the file when it decodes it
+    return 1
 
 
 def mnist(path, name, shape, classes, holdout, split_seed):
@@ -278,14 +334,21 @@ def open_image(path):
         return Image.open(path)
 
 
+# modes with a colour model or sample type that cannot be turned into 8-bit gray or RGB here
+REFUSED_MODES = {"F": "32-bit floating-point samples", "YCbCr": None, "LAB": None, "HSV": None}
+
+
 def decode_image(path, channels, height, width):
-    """One image file -> uint8 (C, H, W): converted to RGB or L, the shorter side resized to
+    """One image file -> uint8 (C, H, W): decoded to 8-bit gray or RGB (16-bit samples by
+    their high byte, alpha dropped as Caffe's OpenCV reader does), the shorter side resized to
     fit, centre-cropped."""
     from PIL import Image, UnidentifiedImageError
     try:
         with open_image(path) as image:
             image.load()
-            image = image.convert("RGB" if channels == 3 else "L")
+            if image.format == "PNG":
+                check_png_pixel_data(path, image)
+            image = to_8bit(image, channels, path)
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
             Image.DecompressionBombError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
@@ -303,3 +366,72 @@ def decode_image(path, channels, height, width):
     else:
         array = array.transpose(2, 0, 1)
     return array
+
+
+def to_8bit(image, channels, path):
+    """A decoded Pillow image -> an 8-bit L (channels 1) or RGB (channels 3) image."""
+    from PIL import Image
+    mode = image.mode
+    if mode in REFUSED_MODES:
+        what = REFUSED_MODES[mode] or f"the {mode} colour model"
+        raise MinigistError(f"--data: cannot decode image {path}: Pillow mode {mode} "
+                            f"({what}) is not supported; convert it to 8-bit RGB or gray")
+    if mode in WIDE_GRAY_MODES:
+        samples = np.asarray(image).astype(np.int64)
+        if samples.min() < 0 or samples.max() > 65535:
+            raise MinigistError(f"--data: cannot decode image {path}: Pillow mode {mode} holds "
+                                f"values outside 0..65535; only 16-bit gray is supported")
+        image = Image.fromarray((samples >> 8).astype(np.uint8), "L")
+    elif mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")     # the palette's colours; the alpha is then dropped
+    return image.convert("RGB" if channels == 3 else "L")
+
+
+def check_png_pixel_data(path, image):
+    """Refuse a PNG whose compressed pixel data end early: Pillow fills the missing rows with
+    zeros when the zlib stream itself is complete."""
+    import struct
+    import zlib
+    with open(path, "rb") as stream:
+        content = stream.read()
+    position, idat = 8, []
+    header = None
+    while position + 8 <= len(content):
+        length, kind = struct.unpack(">I4s", content[position:position + 8])
+        body = content[position + 8:position + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body[:13])
+        elif kind == b"IDAT":
+            idat.append(body)
+        elif kind == b"IEND":
+            break
+        position += 12 + length
+    if header is None:
+        return
+    expected = png_data_bytes(*header[:4], interlaced=header[6] == 1)
+    inflater = zlib.decompressobj()
+    try:
+        got = len(inflater.decompress(b"".join(idat), expected + 1))
+    except zlib.error:
+        return            # Pillow decoded it: leave the judgement of a damaged stream to it
+    if got < expected:
+        raise MinigistError(f"--data: cannot decode image {path}: its pixel data are cut short "
+                            f"({got:,} of {expected:,} bytes)")
+
+
+PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}      # colour type -> samples per pixel
+ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+         (0, 1, 1, 2))                             # (x0, y0, dx, dy) of each interlace pass
+
+
+def png_data_bytes(width, height, depth, colour_type, interlaced):
+    """The size of a PNG's decompressed pixel data: per row a filter byte and the packed samples."""
+    bits = depth * PNG_SAMPLES.get(colour_type, 1)
+
+    def rows(w, h):
+        return 0 if w == 0 or h == 0 else h * (1 + (w * bits + 7) // 8)
+    if not interlaced:
+        return rows(width, height)
+    return sum(rows(-(-(width - x0) // dx) if width > x0 else 0,
+                    -(-(height - y0) // dy) if height > y0 else 0)
+               for x0, y0, dx, dy in ADAM7)

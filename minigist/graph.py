@@ -179,10 +179,12 @@ def _field_lines(spec, name):
 
 
 def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=np.float32,
-                path=None, add_loss=False):
+                path=None, add_loss=False, input_channels=None):
     """Build the Graph of a model file (a path) or of prototxt text (`path` then names it).
     add_loss=True appends a SoftmaxWithLoss and its label input to a file without a loss
-    layer (a deploy file), so that it can be trained (see `_with_added_loss`)."""
+    layer (a deploy file), so that it can be trained (see `_with_added_loss`).
+    `input_channels` sets the channel count of data layers whose file states none (Data,
+    ImageData without is_color); one that contradicts a count the file states is an error."""
     if phase not in ("TRAIN", "TEST"):
         raise ValueError(f"phase must be TRAIN or TEST, got {phase!r}")
     if path is None:
@@ -226,7 +228,7 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
             bottom_ids.append(current[name])
         try:
             if layer.is_data:
-                layer.override(batch_size, input_size)
+                layer.override(batch_size, input_size, input_channels)
             top_shapes = layer.setup([blobs[b].shape for b in bottom_ids])
         except LayerSetupError as exc:
             raise ModelFileError(path, spec.line, str(exc)) from None

@@ -42,7 +42,7 @@ class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
-                 conv="im2col", add_loss=False):
+                 conv="im2col", add_loss=False, input_channels=None):
         if alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
         try:
@@ -53,7 +53,8 @@ class Net:
         self.dtype = np.dtype(dtype)
         self.seed = seed
         self.model = str(model)
-        self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype, add_loss=add_loss)
+        self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype, add_loss=add_loss,
+                                          input_channels=input_channels)
                        for phase in ("TRAIN", "TEST")}
         self.train_graph = self.graphs["TRAIN"]
         self.conv = set_conv_engine(self.graphs.values(), conv, self.xp, self.dtype)
@@ -420,7 +421,7 @@ def set_conv_engine(graphs, conv, xp=np, dtype=np.float32):
 
 def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
                    gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
-                   conv="im2col", add_loss=False):
+                   conv="im2col", add_loss=False, input_channels=None):
     """The footprint report of one training iteration, computed from shapes alone: no array
     is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
     (measured densities: a plan cannot see data)."""
@@ -432,7 +433,8 @@ def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtyp
         config = GistConfig(gist, dpr, binarize, None, ssdc_density)
     except ValueError as exc:
         raise MinigistError(str(exc)) from None
-    graph = build_graph(model, "TRAIN", batch_size, input_size, dtype, add_loss=add_loss)
+    graph = build_graph(model, "TRAIN", batch_size, input_size, dtype, add_loss=add_loss,
+                        input_channels=input_channels)
     set_conv_engine([graph], conv, np, dtype)
     program = apply_gist(build_program(graph, train=True, fused_update=update == "fused"), config)
     extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update,
