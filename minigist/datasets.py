@@ -199,6 +199,10 @@ def _make_dataset(name, images, labels, class_names, holdout, split_seed, flip, 
 def load_dataset(spec, shape, classes, holdout=0.2, split_seed=0, seed=0, synthetic_size=None):
     """`spec` is a bundled name, 'synthetic', or a folder; `shape` the model's (C, H, W) input;
     `classes` the number of classes the model predicts."""
+    if len(shape) != 3:
+        raise MinigistError(f"--data: the model's input is {'x'.join(map(str, shape))} per sample; train.py "
+                            f"feeds images (channels x height x width): feed other inputs through the library "
+                            f"(Net.train_step)")
     channels, height, width = shape
     if channels not in (1, 3):
         raise MinigistError(f"--data: the model takes {channels}-channel images; only 1 (gray) "

@@ -362,3 +362,15 @@ def test_ctrl_c_names_the_iteration_and_the_resume_command(tiny, tmp_path):
     assert command[2:] == argv + ["--resume"]
     resumed = run_cli(*[a.replace("100000", str(held + 1)) for a in command[2:]])
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
+
+
+# ---- a model whose input is no image --------------------------------------------------------
+def test_a_model_whose_input_is_no_image_is_one_line(tmp_path):
+    mlp = tmp_path / "mlp.prototxt"
+    mlp.write_text('name: "mlp"\n'
+                   'layer { name: "data" type: "Input" top: "data" top: "label"\n'
+                   '        input_param { shape { dim: 4 dim: 6 } shape { dim: 4 } } }\n'
+                   'layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"\n'
+                   '        inner_product_param { num_output: 3 } }\n'
+                   'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }\n')
+    one_line_error(run_cli("--model", mlp, *SYNTH, "--iters", 1), "--data", "feeds images")
