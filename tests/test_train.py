@@ -404,3 +404,42 @@ def test_memory_budget_is_held_against_the_calibrated_plan(tmp_path):
     assert result.returncode == 0, result.stderr
     one_line_error(run_cli("--model", path, "--data", "synthetic", "--gist", "lossless", "--iters", 1,
                            "--memory-budget", 10_000), "--memory-budget", "weights and optimizer state")
+
+
+def checkpoint_config(folder):
+    with np.load(os.path.join(folder, train.CHECKPOINT_NAME), allow_pickle=False) as stored:
+        return json.loads(stored["__meta__"].tobytes().decode("utf-8"))["config"]
+
+
+def test_conv_auto_names_and_records_the_engine_it_chose(tiny, tmp_path):
+    """--conv auto (the default) runs oneDNN where it is installed and im2col otherwise; the
+    printed lines, the report and the checkpoint name the engine chosen (never "auto"), and the
+    checkpoint holds the thread count, so that a resume runs the same engine on the same threads."""
+    from minigist import onednn
+    common = ["--model", tiny, "--data", "synthetic", "--holdout", 0.02, "--train-eval-size", 0, "--eval-every", 0,
+              "--iters", 2]
+    env = dict(os.environ, MINIGIST_ONEDNN_LIB=str(tmp_path / "missing" / "libdnnl.so.3"))
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    report = tmp_path / "r.json"
+    without = subprocess.run([sys.executable, TRAIN, *map(str, common), "--checkpoint", tmp_path / "a",
+                              "--report-json", report], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert without.returncode == 0, without.stderr
+    assert "conv im2col)" in without.stdout.splitlines()[0]
+    assert "conv: im2col, minigist's own (numpy + BLAS) (--conv auto: oneDNN unavailable:" in without.stdout
+    assert ", 1 thread during the steps (the default for --conv im2col)" in without.stdout
+    assert json.loads(report.read_text())["conv"] == "im2col"
+    assert "conv im2col" in without.stdout.split("memory: ", 1)[1].splitlines()[0]
+    config = checkpoint_config(tmp_path / "a")
+    assert (config["conv"], config["threads"]) == ("im2col", 1)
+    if not onednn.available():
+        return
+    run = run_cli(*common, "--checkpoint", tmp_path / "b", "--report-json", report)
+    assert run.returncode == 0, run.stderr
+    assert "conv onednn)" in run.stdout.splitlines()[0]
+    config = checkpoint_config(tmp_path / "b")
+    assert config["conv"] == json.loads(report.read_text())["conv"] == "onednn"
+    assert config["threads"] == minigist.default_threads("onednn")
+    resumed = run_cli("--checkpoint", tmp_path / "b", "--resume", "--conv", "auto", "--iters", 3)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{minigist.default_threads('onednn')} OpenMP thread" in resumed.stdout
+    one_line_error(run_cli("--checkpoint", tmp_path / "b", "--resume", "--conv", "im2col"), "--conv")

@@ -131,8 +131,9 @@ def _mib(nbytes):
 
 def format_report(report):
     """The report as a short printed table."""
+    engine = f"  conv {report['conv']}" if report.get("conv") else ""   # the engine the plan was made for
     lines = [f"memory: {report['model']}  batch {report['batch_size']}  input {tuple(report['input_shape'])}  "
-             f"alloc {report['alloc']}",
+             f"alloc {report['alloc']}{engine}",
              f"  footprint        {report['footprint_bytes']:>16,} B  ({_mib(report['footprint_bytes'])})",
              f"  live peak        {report['live_peak_bytes']:>16,} B  at step {report['peak_step']} "
              f"({report['peak_step_label']})",
