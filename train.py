@@ -897,6 +897,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.conv_asked = args.conv
     given = explicit_flags(parser, argv)
+    jit.announce_compiles()     # a machine's first run compiles the kernels before its first line of progress
     try:
         return run(args, given)
     except MinigistError as exc:
