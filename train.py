@@ -1,6 +1,6 @@
 """Train a bundled or user model with minigist and report its training memory footprint.
 
-    python train.py                                  # ResNet-20 on the bundled MNIST digits (< 3 min on 2 cores)
+    python train.py                                  # ResNet-20 on the bundled MNIST digits
     python train.py --model vgg_small --epochs 2     # another bundled model
     python train.py --data path/to/folder            # your images: folder/CLASS_NAME/*.png|jpg
     python train.py --model vgg16 --plan-only        # the footprint from shapes alone, nothing runs
@@ -58,7 +58,7 @@ import minigist  # noqa: E402  (after the path tweak, so a checkout runs without
 from minigist import blas, datasets, jit, onednn  # noqa: E402
 from minigist.codecs import kernels as codec_kernels  # noqa: E402
 from minigist.codecs import DPR_FORMATS, GIST_MODES, GistConfig  # noqa: E402
-from minigist.errors import MinigistError  # noqa: E402
+from minigist.errors import MemoryBudgetError, MinigistError  # noqa: E402
 from minigist.gist import apply_gist  # noqa: E402
 from minigist.memory.plan import MODES  # noqa: E402
 from minigist.memory.report import format_report, write_json  # noqa: E402
@@ -180,8 +180,8 @@ checkpoints: --checkpoint DIR writes DIR/{CHECKPOINT_NAME} at every epoch end (a
   --resume continues from it; the final weights are bitwise those of an uninterrupted run.
 defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32 (the model file's), {DEFAULT_EPOCHS} epochs, lr
   {DEFAULT_LR} times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4,
-  BatchNorm average 0.9, one BLAS thread, Gist lossless. Measured on a 2-core machine
-  (other jobs running): 123 s and 135 s, held-out accuracy 98.3% (97.7% with --seed 1 and 2).
+  BatchNorm average 0.9, Gist lossless, --conv auto with the threads that suit it (see --threads).
+  Run times and accuracies measured on real machines are in the README (Command line, Performance).
 """
 
 
@@ -671,6 +671,10 @@ def run(args, given):
         report = plan_for(path, args)
         report["model"] = args.model
         if args.memory_budget is not None and report["footprint_bytes"] > args.memory_budget:
+            try:        # the same check as a training run's, with its largest buffers
+                shapes_only_plan(path, args).check_budget(args.memory_budget)
+            except MemoryBudgetError as exc:
+                raise MinigistError(f"--memory-budget: {exc}") from None
             raise MinigistError(f"--memory-budget: the {args.alloc} plan needs {report['footprint_bytes']:,} "
                                 f"bytes, the budget allows {args.memory_budget:,} bytes")
         print(format_report(report))
@@ -900,6 +904,10 @@ def main(argv=None):
     jit.announce_compiles()     # a machine's first run compiles the kernels before its first line of progress
     try:
         return run(args, given)
+    except MemoryBudgetError as exc:
+        sys.stdout.flush()
+        print(f"train.py: error: --memory-budget: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     except MinigistError as exc:
         sys.stdout.flush()
         print(f"train.py: error: {' '.join(str(exc).split())}", file=sys.stderr)

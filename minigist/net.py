@@ -175,7 +175,7 @@ class Net:
         self.executors = {}
         if alloc == "dynamic":
             limit = None if memory_budget is None else memory_budget - self.persistent_bytes
-            note = "" if limit is None else (f" (--memory-budget {memory_budget:,} less {self.persistent_bytes:,} "
+            note = "" if limit is None else (f" (the memory budget {memory_budget:,} less {self.persistent_bytes:,} "
                                              f"bytes of weights, their gradients and momentum)")
             self.pool = Pool(limit=limit, limit_note=note)
             for key, program in self.programs.items():

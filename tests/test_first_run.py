@@ -28,3 +28,40 @@ def test_a_compile_is_announced_in_one_line_and_a_cache_load_is_not(tmp_path):
     again = run_with_cache(tmp_path)          # the same kernel, now loaded from numba's cache
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stderr == ""
+
+
+def test_help_quotes_no_measured_figures():
+    """Run times and accuracies live in the README, measured; --help points there."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "README" in text
+    for figure in ("123 s", "135 s", "98.3%", "1.4-2x", "2.6x", "< 3 min"):
+        assert figure not in text, figure
+    assert "default auto" in text or "auto (the default" in text
+
+
+def test_the_datasets_docstring_calls_what_exists():
+    import re
+    from minigist import datasets
+    called = set(re.findall(r"data\.(\w+)\(", datasets.__doc__))
+    assert called and all(hasattr(datasets.Dataset, name) for name in called), called
+
+
+def test_a_budget_from_python_names_no_cli_flag():
+    import minigist
+    from minigist.errors import MemoryBudgetError
+    net = minigist.Net(os.path.join(ROOT, "models", "vgg_small.prototxt"), batch_size=2)
+    with pytest.raises(MemoryBudgetError) as caught:
+        net.set_memory_budget(1000)
+    assert "--memory-budget" not in str(caught.value) and "largest buffers" in str(caught.value)
+
+
+def test_the_plan_only_budget_error_lists_the_largest_buffers():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--plan-only", "--memory-budget",
+                             "1MB"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line != jit.COMPILE_NOTICE]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: --memory-budget: the static plan needs")
+    assert "largest buffers:" in lines[0]
