@@ -134,6 +134,7 @@ def used_bytes(codec, enc, n):
 @pytest.mark.parametrize("fmt", ["csr", "bitmap"])
 @pytest.mark.parametrize("n,density", [(1, 1.0), (7, 0.5), (256, 0.0), (257, 1.0), (1000, 0.05),
                                        (65536 + 300, 0.5), (70001, 0.97), (4099, 0.004)])
+@pytest.mark.slow
 def test_ssdc_same_bytes_and_roundtrip(values, fmt, n, density):
     x = ssdc_input(n, density)
     nnz = int(np.count_nonzero(x.view(np.uint32)))
@@ -200,6 +201,7 @@ def test_describe_names_the_path():
         assert kernels.describe(np) == "ufunc path (switched off)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["resnet20", "vgg_small", "inception_small"])
 @pytest.mark.parametrize("gist", ["none", "all"])
 def test_training_is_the_same_with_and_without_kernels(model, gist):
@@ -290,6 +292,7 @@ def test_ssdc_kernels_refuse_a_corrupt_encoding(fmt):
         codec.decode(np, enc, np.empty(n, np.float32), {})
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a_generic_cpu(tmp_path):
     """With numba compiling for a CPU without F16C or AVX-512 (NUMBA_CPU_NAME=generic), the
     kernels take their plain forms and give the ufunc path's bytes (the half conversions must

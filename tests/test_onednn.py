@@ -240,6 +240,7 @@ def test_train_py_without_the_library_is_a_one_line_error(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_train_py_resumes_bit_for_bit_and_keeps_its_engine(tmp_path):
     """An interrupted --conv onednn --threads 2 run resumes (with neither flag: the
     checkpoint's engine and thread count) to the weights of an uninterrupted one; a resume

@@ -213,6 +213,7 @@ def make_args(**values):
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["vgg_small", "resnet20", "inception_small"])
 def test_small_models_train_through_train_py(model, folder):
     result = run_cli("--model", model, "--data", folder, "--iters", 2, "--batch-size", 2, "--input-size", 16,
@@ -234,6 +235,7 @@ def final_weights(folder):
         return {k: stored[k] for k in stored.files if not k.startswith("__")}
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(tiny, folder, tmp_path):
     common = ["--model", tiny, "--data", folder, "--train-eval-size", 0, "--lr-step", 1, "--lr-gamma", 0.5]
     whole, part = tmp_path / "whole", tmp_path / "part"
@@ -254,6 +256,7 @@ def test_resume_is_bitwise_identical(tiny, folder, tmp_path):
     one_line_error(mismatch, "--lr")
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_a_readable_checkpoint_and_resumes_exactly(tiny, tmp_path):
     common = ["--model", tiny, "--data", "synthetic", "--holdout", 0.02, "--train-eval-size", 0,
               "--checkpoint-every", 1, "--eval-every", 0]
@@ -379,6 +382,7 @@ SPARSE = "\n".join(
        'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }']) + "\n"
 
 
+@pytest.mark.slow
 def test_memory_budget_is_held_against_the_calibrated_plan(tmp_path):
     """With SSDC the plan shrinks once densities are measured: train.py checks its budget after
     calibration, so a budget that only the calibrated plan meets trains, and one below it fails
@@ -412,6 +416,7 @@ def checkpoint_config(folder):
         return json.loads(stored["__meta__"].tobytes().decode("utf-8"))["config"]
 
 
+@pytest.mark.slow
 def test_conv_auto_names_and_records_the_engine_it_chose(tiny, tmp_path):
     """--conv auto (the default) runs oneDNN where it is installed and im2col otherwise; the
     printed lines, the report and the checkpoint name the engine chosen (never "auto"), and the
