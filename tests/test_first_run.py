@@ -65,3 +65,20 @@ def test_the_plan_only_budget_error_lists_the_largest_buffers():
     lines = [line for line in result.stderr.splitlines() if line != jit.COMPILE_NOTICE]
     assert len(lines) == 1 and lines[0].startswith("train.py: error: --memory-budget: the static plan needs")
     assert "largest buffers:" in lines[0]
+
+
+def test_the_plot_marks_an_update_phase_only_for_the_separate_update(tmp_path):
+    import minigist
+    from minigist import visualize
+    from minigist.memory.plan import MemoryPlan
+    graph = minigist.build_graph(os.path.join(ROOT, "models", "resnet20.prototxt"), "TRAIN", 4)
+    fused = minigist.build_program(graph, train=True, fused_update=True)
+    separate = minigist.build_program(graph, train=True, fused_update=False)
+    assert fused.steps[-1].kind == "update"          # a fused update still ends the program...
+    assert visualize._separate_update_starts(fused) is None    # ...but it is no phase of its own
+    start = visualize._separate_update_starts(separate)
+    assert start is not None and {s.kind for s in separate.steps[start:]} == {"update"}
+    assert separate.steps[start - 1].kind != "update"
+    visualize.plot_timeline(MemoryPlan(fused, "static"), {"gist": {"mode": "all", "dpr": "fp8-e4m3"}},
+                            tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
