@@ -145,6 +145,7 @@ def test_onednn_nets_train_like_im2col_and_repeat_bit_for_bit(model):
                     np.concatenate([w.ravel() for w in theirs.values()])) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alloc", ["none", "dynamic"])
 def test_onednn_lossless_gist_and_allocation_modes_keep_the_bits(alloc):
     """Gist lossless and every allocation mode train to the same bits as the plain static net."""
