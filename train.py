@@ -1,6 +1,6 @@
 """Train a bundled or user model with minigist and report its training memory footprint.
 
-    python train.py                                  # ResNet-20 on the bundled MNIST digits (< 3 min on 2 cores)
+    python train.py                                  # ResNet-20 on the bundled MNIST digits
     python train.py --model vgg_small --epochs 2     # another bundled model
     python train.py --data path/to/folder            # your images: folder/CLASS_NAME/*.png|jpg
     python train.py --model vgg16 --plan-only        # the footprint from shapes alone, nothing runs
@@ -23,23 +23,33 @@ import sys
 import time
 
 
+_SET_HERE = set()    # the thread variables train.py put in the environment (not the user)
+
+
 def _blas_threads(argv):
-    """The --threads value, read before numpy loads: BLAS fixes its thread count at load time."""
-    value = "1"
+    """The --threads value, read before numpy loads: BLAS fixes its thread count at load time.
+    None when it is not given (or not a positive integer: the parser reports that)."""
+    value = None
     for index, arg in enumerate(argv):
         if arg == "--threads" and index + 1 < len(argv):
             value = argv[index + 1]
         elif arg.startswith("--threads="):
             value = arg.split("=", 1)[1]
-    return value if value.isdigit() and int(value) > 0 else None
+    return value if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 if __name__ == "__main__":
     _threads = _blas_threads(sys.argv[1:])
     if _threads is not None:
         for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            if "--threads" in " ".join(sys.argv[1:]) or _name not in os.environ:
-                os.environ[_name] = _threads
+            os.environ[_name] = _threads
+    else:
+        # the default policy (minigist.net.default_threads) runs numpy's BLAS on one thread
+        # unless the environment says otherwise; OpenBLAS starts its thread pool as it loads
+        for _name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            if _name not in os.environ:
+                os.environ[_name] = "1"
+                _SET_HERE.add(_name)
 
 import numpy as np  # noqa: E402
 
@@ -51,12 +61,13 @@ from minigist import blas, datasets, jit, onednn  # noqa: E402
 from minigist.codecs import kernels as codec_kernels  # noqa: E402
 from minigist.codecs import DPR_FORMATS, GIST_MODES, GistConfig  # noqa: E402
 from minigist.checkpoint import arrays_digest, check_fields, model_change, model_definition, read_npz  # noqa: E402
-from minigist.errors import MinigistError  # noqa: E402
+from minigist.errors import MemoryBudgetError, MinigistError  # noqa: E402
 from minigist.gist import apply_gist  # noqa: E402
 from minigist.memory.available import check_fits  # noqa: E402
 from minigist.memory.plan import MODES  # noqa: E402
 from minigist.memory.report import format_report, write_json  # noqa: E402
-from minigist.net import UPDATES, plan_footprint, save_npz_atomic, set_conv_engine  # noqa: E402
+from minigist.net import (MAX_DEFAULT_THREADS, UPDATES, default_threads, plan_footprint,  # noqa: E402
+                          resolve_conv, save_npz_atomic, set_conv_engine)
 
 MODELS_DIR = os.path.join(HERE, "models")
 DEFAULT_MODEL = "resnet20"
@@ -213,8 +224,8 @@ checkpoints: --checkpoint DIR writes DIR/{CHECKPOINT_NAME} at every epoch end (a
   scratch then). Ctrl-C prints the iteration the checkpoint holds and the command that resumes it.
 defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32 (the model file's), {DEFAULT_EPOCHS} epochs, lr
   {DEFAULT_LR} ({', '.join(f'{m} {v:g}' for m, v in sorted(MODEL_LR.items()))}) times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4,
-  BatchNorm average 0.9, one BLAS thread, Gist lossless. Measured on a 2-core machine
-  (other jobs running): 123 s and 135 s, held-out accuracy 98.3% (97.7% with --seed 1 and 2).
+  BatchNorm average 0.9, Gist lossless, --conv auto with the threads that suit it (see --threads).
+  Run times and accuracies measured on real machines are in the README (Command line, Performance).
 """
 
 
@@ -279,19 +290,22 @@ def make_parser():
                             "far behind the weights in a short run: pass 0.999 for Caffe's behaviour)")
     group.add_argument("--seed", type=int, default=0,
                        help="seed for weights, data order, augmentation and dropout (default 0)")
-    group.add_argument("--threads", type=positive_int, default=1,
-                       help="CPU threads: numpy's BLAS threads and, with --conv onednn, oneDNN's OpenMP "
-                            "threads (default 1, unless OPENBLAS_NUM_THREADS is set: on a small machine "
-                            "shared with other work a multi-threaded BLAS spin-waits and can be many times "
-                            "slower; --conv onednn runs BLAS on one thread during its steps whatever this "
-                            "says). Part of a checkpoint's configuration: the float results depend on it")
+    group.add_argument("--threads", type=positive_int,
+                       help="CPU threads of the steps: with --conv onednn oneDNN's OpenMP threads (numpy's "
+                            "BLAS then runs on one), with im2col numpy's BLAS threads. Default: with oneDNN "
+                            f"the CPUs this process may use (at most {MAX_DEFAULT_THREADS}; "
+                            "OMP_NUM_THREADS if set), with im2col 1 (OPENBLAS_NUM_THREADS if set: on a small "
+                            "machine shared with other work a multi-threaded BLAS spin-waits and can be many "
+                            "times slower). Part of a checkpoint's configuration: the float results depend on it")
     group.add_argument("--device", default="cpu", choices=list(minigist.backend.DEVICES),
                        help="cpu, gpu (CuPy) or auto (GPU when one is usable); default cpu")
-    group.add_argument("--conv", default="im2col", choices=list(minigist.CONV_ENGINES),
-                       help="the CPU convolution engine: im2col (minigist's own, numpy + BLAS; the "
-                            "default) or onednn (oneDNN's direct kernels through ctypes, float32, "
-                            "a step 1.4-2x faster: pip install minigist[fast]; with --threads N it runs N "
-                            "OpenMP threads and numpy's BLAS on one)")
+    group.add_argument("--conv", default="auto", choices=list(minigist.CONV_CHOICES),
+                       help="the CPU convolution engine: auto (the default: onednn where it is installed "
+                            "and the run is float32 on the CPU, im2col otherwise), im2col (minigist's own, "
+                            "numpy + BLAS: plans that do not depend on what is installed) or onednn "
+                            "(oneDNN's direct kernels through ctypes, float32, faster: pip install "
+                            "minigist[fast]). The engine chosen is printed (conv:), named in the report and "
+                            "recorded in a checkpoint")
     group = parser.add_argument_group("memory")
     group.add_argument("--alloc", default="static", choices=list(MODES),
                        help="memory allocation: none (no sharing, the reference), static (planned "
@@ -803,6 +817,48 @@ def evaluate(net, data, split, batch_size, names, limit=None):
     return result
 
 
+# ---- engine and threads --------------------------------------------------------------------
+def resolve_engine(args, given, resumed):
+    """Settle --conv auto and the default --threads (the library's policy, minigist.net.
+    default_threads) into the engine and count this run uses, which the report names and a
+    checkpoint records; returns where the thread count came from, for the printed lines.
+    BLAS's and oneDNN's float results depend on their thread counts: a resumed run takes the
+    checkpoint's, so that it ends with the uninterrupted run's bits."""
+    args.conv = resolve_conv(args.conv, minigist.get_xp(args.device))
+    if "threads" in given:
+        source = "--threads"
+    elif resumed and args.threads is not None:
+        source = "the checkpoint's --threads"
+    else:
+        args.threads = default_threads(args.conv)
+        variable = "OMP_NUM_THREADS" if args.conv == "onednn" else "OPENBLAS_NUM_THREADS"
+        from_environment = variable in os.environ and variable not in _SET_HERE
+        source = f"{variable} in the environment" if from_environment else f"the default for --conv {args.conv}"
+    if args.conv == "onednn":   # before any primitive is made: oneDNN sizes its scratchpads by it
+        onednn.set_threads(args.threads)
+    return source
+
+
+def engine_lines(net, args, threads_from):
+    """The conv: and blas: lines: the engine and the threads the steps run on, and why."""
+    lines = []
+    if args.conv == "onednn":
+        lines.append(f"conv: onednn, {onednn.describe()}, {_count(net.omp_threads, 'OpenMP thread')} "
+                     f"({threads_from})")
+    else:
+        why = f" (--conv auto: {onednn.describe()})" if args.conv_asked == "auto" and net.xp is np else ""
+        lines.append(f"conv: im2col, minigist's own (numpy + BLAS){why}")
+    if net.xp is np:
+        blas_why = "--conv onednn: oneDNN's threads take the cores" if args.conv == "onednn" else threads_from
+        lines.append(f"blas: {blas.describe(with_threads=False)}, {_count(net.blas_threads, 'thread')} during the steps "
+                     f"({blas_why})")
+    return lines
+
+
+def _count(number, noun):
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 # ---- reports, plots ------------------------------------------------------------------------
 def gist_kwargs(args):
     return {"gist": args.gist, "dpr": args.dpr, "update": args.update, "conv": args.conv}
@@ -883,17 +939,12 @@ def run(args, given):
         raise MinigistError(f"--checkpoint: {args.checkpoint} already holds a checkpoint{held}; pass --resume to "
                             f"continue it, or --overwrite to replace it with this new run's")
     args.checkpoint_owned = resumed is not None
-    if "threads" not in given:   # what runs: OPENBLAS_NUM_THREADS may have chosen it
-        args.threads = blas.get_threads() or args.threads
+    if args.conv == "auto":   # not a choice to hold against a checkpoint's engine
+        given = given - {"conv"}
     schedule_change = {}
     if resumed is not None:
-        threads = args.threads
         schedule_change = apply_checkpoint_config(args, given, resumed[0], args.checkpoint)
-        if args.threads != threads:
-            # BLAS's and oneDNN's float results depend on their thread counts: run the
-            # checkpoint's, so that the resumed run ends with the uninterrupted run's bits
-            blas.set_threads(args.threads)
-            onednn.set_threads(args.threads)
+    threads_from = resolve_engine(args, given, resumed is not None)
     if args.lr is None:
         args.lr = default_lr(args.model)
     if args.warmup is None:
@@ -910,6 +961,10 @@ def run(args, given):
         report = plan_for(path, args)
         report["model"] = args.model
         if args.memory_budget is not None and report["footprint_bytes"] > args.memory_budget:
+            try:        # the same check as a training run's, with its largest buffers
+                shapes_only_plan(path, args).check_budget(args.memory_budget)
+            except MemoryBudgetError as exc:
+                raise MinigistError(f"--memory-budget: {exc}") from None
             raise MinigistError(f"--memory-budget: the {args.alloc} plan needs {report['footprint_bytes']:,} "
                                 f"bytes, the budget allows {args.memory_budget:,} bytes")
         print(format_report(report))
@@ -956,7 +1011,7 @@ def run(args, given):
     # with SSDC in play the budget is checked after calibration, against the measured plan
     calibrates = args.gist in ("lossless", "all")
     net = minigist.Net(path, batch_size=args.batch_size, input_size=args.input_size, device=args.device,
-                       seed=args.seed, solver=solver, alloc=args.alloc, input_channels=args.input_channels,
+                       seed=args.seed, solver=solver, alloc=args.alloc, threads=args.threads, input_channels=args.input_channels,
                        memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
                        **gist_kwargs(args))
     if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
@@ -1019,15 +1074,12 @@ def run(args, given):
     config.update(epochs=args.epochs, iters=args.iters, alloc=args.alloc, device=args.device)
     print(f"model {args.model}: {graph.param_count():,} parameters, batch {(batch,) + tuple(graph.input_shape)}, "
           f"{classes} classes, device {args.device}, footprint {_mib(report['footprint_bytes'])} "
-          f"({args.alloc}, gist {args.gist})")
+          f"({args.alloc}, gist {args.gist}, conv {net.conv})")
     if graph.added_loss:
         print(f"added loss: {graph.added_loss}")
     print(f"layers: {jit.describe(net.xp)}")
-    if net.xp is np:
-        print(f"blas: {blas.describe()}" + ("; on 1 thread during the steps (--conv onednn)"
-                                            if net.blas_threads == 1 else ""))
-    if args.conv == "onednn":
-        print(f"conv: {onednn.describe()}, OpenMP threads: {onednn.max_threads()}")
+    for line in engine_lines(net, args, threads_from):
+        print(line)
     if args.gist != "none":
         print(f"codecs: {codec_kernels.describe(net.xp)}")
     schedule = f" x{args.lr_gamma:g} every {args.lr_step:g} epochs" if args.lr_step else ""
@@ -1180,9 +1232,15 @@ def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)
     args.command_line = argv
+    args.conv_asked = args.conv
     given = explicit_flags(parser, argv)
+    jit.announce_compiles()     # a machine's first run compiles the kernels before its first line of progress
     try:
         return run(args, given)
+    except MemoryBudgetError as exc:
+        sys.stdout.flush()
+        print(f"train.py: error: --memory-budget: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     except MinigistError as exc:
         sys.stdout.flush()
         print(f"train.py: error: {' '.join(str(exc).split())}", file=sys.stderr)

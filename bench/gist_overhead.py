@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 
 import minigist  # noqa: E402
 from minigist.codecs import kernels  # noqa: E402
+from minigist import blas, onednn  # noqa: E402
 
 CONFIGS = [("none", "none", "fp16"), ("lossless", "lossless", "fp16"), ("lossy fp16", "lossy", "fp16"),
            ("all fp16", "all", "fp16")]
@@ -66,7 +67,10 @@ def main():
                     rng.integers(0, 10, args.batch_size)) for _ in range(2)]
         nets = {}
         for label, gist, dpr in CONFIGS:
-            net = minigist.Net(path, batch_size=args.batch_size, seed=0, gist=gist, dpr=dpr, conv=args.conv)
+            # the process's thread counts, as this bench ran before Net applied its default policy
+            threads = blas.get_threads() if args.conv == "im2col" else onednn.max_threads()
+            net = minigist.Net(path, batch_size=args.batch_size, seed=0, gist=gist, dpr=dpr, conv=args.conv,
+                               threads=threads)
             net.calibrate(batches)
             net.train_step(*batches[0])   # warm-up: first touch of the arena
             nets[label] = net

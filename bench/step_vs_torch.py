@@ -453,7 +453,7 @@ def compare(args, name, path):
     for engine in args.conv:
         solver = minigist.SGD(lr=args.lr, momentum=0.9, weight_decay=5e-4)
         nets[engine] = minigist.Net(path, batch_size=args.batch_size, seed=0, solver=solver, alloc="static",
-                                    conv=engine)
+                                    conv=engine, threads=bench_threads(args, engine))
     net = nets[args.conv[0]]
     graph = net.train_graph
     rng = np.random.default_rng(0)
@@ -540,7 +540,7 @@ def gist_ratios(args, path, batches, engine):
         kernel_flags[label] = kernels.available() and label != UFUNC_CONFIG[0]
         solver = minigist.SGD(lr=args.lr, momentum=0.9, weight_decay=5e-4)
         net = minigist.Net(path, batch_size=args.batch_size, seed=0, solver=solver, gist=gist, dpr=dpr,
-                           conv=engine)
+                           conv=engine, threads=bench_threads(args, engine))
         net.calibrate(batches)
         for step in range(args.warmup):
             net.train_step(*batches[step % 2])
@@ -555,6 +555,13 @@ def gist_ratios(args, path, batches, engine):
                 times[label].append(time.perf_counter() - start)
     fallbacks = {label: net.stats.fallbacks for label, net in nets.items()}
     return times, fallbacks, other_load(meter, cpu_sample())
+
+
+def bench_threads(args, engine):
+    """The threads a benchmarked Net runs its steps on: --blas-threads for im2col (its BLAS),
+    oneDNN's OpenMP threads for onednn, as these benches ran before Net applied its own default
+    thread policy (minigist.default_threads)."""
+    return args.blas_threads if engine == "im2col" else onednn.max_threads()
 
 
 def main():

@@ -4,9 +4,9 @@ from .backend import get_xp, gpu_available, to_numpy
 from .errors import LayerSetupError, MemoryBudgetError, MinigistError, ModelFileError
 from .executor import SGD
 from .graph import build_graph
-from .net import CONV_ENGINES, Net, summary
+from .net import CONV_CHOICES, CONV_ENGINES, Net, default_threads, summary
 from .program import build_program
 
 __version__ = "0.1.0"
-__all__ = ["Net", "CONV_ENGINES", "SGD", "build_graph", "build_program", "summary", "get_xp", "gpu_available",
-           "to_numpy", "MinigistError", "ModelFileError", "LayerSetupError", "MemoryBudgetError"]
+__all__ = ["Net", "CONV_ENGINES", "CONV_CHOICES", "default_threads", "SGD", "build_graph", "build_program",
+           "summary", "get_xp", "gpu_available", "to_numpy", "MinigistError", "ModelFileError", "LayerSetupError", "MemoryBudgetError"]

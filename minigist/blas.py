@@ -107,13 +107,20 @@ def threads(count):
     return scoped(set_threads, count)
 
 
-def describe():
-    """One line on numpy's BLAS: OpenBLAS's version, its kernels and threads, and why."""
+def describe(with_threads=True):
+    """One line on numpy's BLAS: OpenBLAS's version, its kernels and who chose them, and (with
+    `with_threads`) the thread count it runs on now."""
     info = openblas_info()
     if info is None:
         return "not OpenBLAS, or not inspectable here (kernels and threads as that BLAS chooses)"
     version, corename, threads = info
-    line = f"OpenBLAS {version}, {corename} kernels, {threads if threads is not None else '?'} threads"
     if "OPENBLAS_CORETYPE" in os.environ:
-        return f"{line} (set by OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})"
-    return f"{line} (OpenBLAS's choice for this CPU)"
+        chosen = f"set by OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"
+    else:
+        chosen = "OpenBLAS's choice for this CPU"
+    line = f"OpenBLAS {version}, {corename} kernels ({chosen})"
+    if not with_threads:
+        return line
+    if threads is None:
+        return f"{line}, ? threads"
+    return f"{line}, {threads} thread{'' if threads == 1 else 's'}"

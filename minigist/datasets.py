@@ -3,7 +3,9 @@
     data = load_dataset("mnist5k", shape=(3, 32, 32), classes=10)
     data.train.images   # uint8 (N, C, H, W), already at the model's input size
     data.heldout.labels # int64 (M,)
-    for indices, images, labels in data.train_batches(32, rng, crop_pad=2, flip=False): ...
+    order = data.epoch_order(rng)                               # one epoch's shuffled indices
+    images, labels = data.train_batch(data.epoch_batch(order, 0, 32), rng, crop_pad=2, flip=False)
+    for images, labels, real in data.eval_batches(data.heldout, 32): ...
 
 Every source ends as uint8 images at the model's input shape (C, H, W), split into a training
 part and a held-out part (stratified: the same fraction of every class, chosen by a fixed

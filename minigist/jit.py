@@ -9,11 +9,13 @@ switched on (the default; MINIGIST_KERNELS=numpy in the environment, `set_kernel
 """
 import contextlib
 import os
+import sys
 
 import numpy as np
 
 try:
     import numba
+    import numba.core.event
 except ImportError:        # the xp code serves
     numba = None
 
@@ -42,6 +44,42 @@ def describe(xp=np):
         return f"xp ufuncs ({off_reason(xp)})"
     return (f"numba {numba.__version__} kernels for MAX pooling, BatchNorm/Scale/ReLU and the "
             f"convolution's layout copies")
+
+
+COMPILE_NOTICE = "compiling minigist's numba kernels (first run only: numba caches them for later runs) ..."
+_announcing = []
+
+
+class _CompileNotice(numba.core.event.Listener if numba is not None else object):
+    """Writes COMPILE_NOTICE once, as the first of minigist's kernels starts compiling (numba
+    raises "numba:compile" for a compile, not for a load from its cache)."""
+
+    def __init__(self, stream):
+        self.stream, self.done = stream, False
+
+    def on_start(self, event):
+        dispatcher = event.data.get("dispatcher") if isinstance(event.data, dict) else None
+        module = getattr(getattr(dispatcher, "py_func", None), "__module__", "") or ""
+        if self.done or not module.startswith(__name__.split(".")[0] + "."):
+            return
+        self.done = True
+        stream = self.stream or sys.stderr
+        stream.write(COMPILE_NOTICE + "\n")
+        stream.flush()
+
+    def on_end(self, event):
+        pass
+
+
+def announce_compiles(stream=None):
+    """Say so, in one line on `stream` (sys.stderr), when minigist's kernels are compiled
+    rather than loaded from numba's cache: on a machine's first run (or after an edit to a
+    kernel's file) that takes 10-25 s before the first step. Once per process; nothing
+    without numba."""
+    if numba is None or _announcing:
+        return
+    _announcing.append(_CompileNotice(stream))
+    numba.core.event.register("numba:compile", _announcing[0])
 
 
 def set_kernels(on):

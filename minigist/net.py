@@ -8,6 +8,17 @@
 One arena holds everything: the persistent part (weights, their gradients, momentum) first,
 then the per-iteration part, which the training and the evaluation program share because they
 never run at the same time.
+
+The convolution engine: `conv="im2col"` (the library's default: minigist's own, numpy + BLAS,
+so that a plan and its footprint do not depend on what is installed or on the blocked layouts
+oneDNN picks for a CPU), `"onednn"` (oneDNN's direct kernels, float32 on the CPU) or `"auto"`
+(oneDNN where it can run, im2col otherwise; train.py's default). `net.conv` is the engine
+chosen, never "auto", and so is the report's "conv" field.
+
+Threads: every step (and the planning, since oneDNN's scratchpads depend on it) runs under
+`threads` (None: `default_threads(engine)`, the policy train.py applies too), and the
+process's own settings are put back after it. With im2col that is numpy's BLAS thread count;
+with oneDNN it is oneDNN's OpenMP threads and the codec kernels', while BLAS runs on one.
 """
 import contextlib
 import os
@@ -36,13 +47,18 @@ from .program import build_program, param_buffer_names
 
 UPDATES = ("separate", "fused")
 CONV_ENGINES = Convolution.ENGINES
+CONV_CHOICES = ("auto",) + CONV_ENGINES
+# the default thread count never exceeds this: the nets here are small, and beyond a few
+# threads oneDNN's per-thread split of a 32-image batch gains little while a shared machine's
+# other work loses its cores
+MAX_DEFAULT_THREADS = 8
 
 
 class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
-                 conv="im2col", add_loss=False, input_channels=None):
+                 conv="im2col", add_loss=False, input_channels=None, threads=None):
         if alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
         try:
@@ -58,12 +74,15 @@ class Net:
                        for phase in ("TRAIN", "TEST")}
         self.train_graph = self.graphs["TRAIN"]
         self.conv = set_conv_engine(self.graphs.values(), conv, self.xp, self.dtype)
+        self.threads = default_threads(self.conv) if threads is None else _thread_count(threads)
         # oneDNN's OpenMP threads take the cores; OpenBLAS's idle threads spin for about 0.1 s
         # after each call and would take them back (resnet20's step: 266 ms with two BLAS
         # threads, 39 ms with one). Its few BLAS calls run on one thread during a step, and
         # Gist's codec kernels on the OpenMP threads (numba's OpenMP layer shares them).
-        self.blas_threads = 1 if conv == "onednn" else None
-        self.codec_threads = onednn.max_threads() if conv == "onednn" else None
+        onednn_engine = self.conv == "onednn"
+        self.blas_threads = (1 if onednn_engine else self.threads) if self.xp is np else None
+        self.omp_threads = self.threads if onednn_engine else None
+        self.codec_threads = self.threads if onednn_engine else None
         if update not in UPDATES:
             raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {update!r}")
         self.update = update
@@ -84,8 +103,10 @@ class Net:
 
     @contextlib.contextmanager
     def _threads(self):
-        """The BLAS and codec-kernel threads of this net's steps (the process's own outside)."""
-        with blas.threads(self.blas_threads), codec_kernels.threads(self.codec_threads):
+        """The BLAS, OpenMP and codec-kernel threads of this net's steps and of its planning
+        (the process's own outside)."""
+        with blas.threads(self.blas_threads), onednn.threads(self.omp_threads), \
+                codec_kernels.threads(self.codec_threads):
             yield
 
     # ---- construction -------------------------------------------------------------------
@@ -96,8 +117,10 @@ class Net:
         self.programs = {"train": apply_gist(self.base_programs["train"], self.gist, calibrating),
                          "eval": self.base_programs["eval"]}
         # the calibration pass plans every SSDC candidate at full capacity: a measurement, not
-        # the training plan, so the budget is not held against it
-        self._allocate(self.alloc, None if calibrating else self.memory_budget)
+        # the training plan, so the budget is not held against it; oneDNN sizes its scratchpads
+        # for the thread count its primitives are made under
+        with self._threads():
+            self._allocate(self.alloc, None if calibrating else self.memory_budget)
         if old_arena is not None:
             assert old_persistent == self.persistent_bytes
             self.arena[:old_persistent] = old_arena[:old_persistent]
@@ -158,7 +181,7 @@ class Net:
         self.executors = {}
         if alloc == "dynamic":
             limit = None if memory_budget is None else memory_budget - self.persistent_bytes
-            note = "" if limit is None else (f" (--memory-budget {memory_budget:,} less {self.persistent_bytes:,} "
+            note = "" if limit is None else (f" (the memory budget {memory_budget:,} less {self.persistent_bytes:,} "
                                              f"bytes of weights, their gradients and momentum)")
             self.pool = Pool(limit=limit, limit_note=note)
             for key, program in self.programs.items():
@@ -400,11 +423,52 @@ def summary(graph):
     return "\n".join(lines)
 
 
+def usable_cpus():
+    """The CPUs this process may run on (its affinity mask, where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _env_count(name):
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def default_threads(conv):
+    """The thread count a step of engine `conv` runs on when none is asked for (Net and
+    train.py apply the same policy). oneDNN: OMP_NUM_THREADS if set, else the CPUs this
+    process may use, at most MAX_DEFAULT_THREADS. im2col: OPENBLAS_NUM_THREADS if set, else 1:
+    OpenBLAS's idle threads spin-wait after each call, and on a small machine shared with other
+    work a multi-threaded BLAS made a step several times slower (vgg_small 3.7 s against 0.7)."""
+    if conv == "onednn":
+        return _env_count("OMP_NUM_THREADS") or min(usable_cpus(), MAX_DEFAULT_THREADS)
+    return _env_count("OPENBLAS_NUM_THREADS") or 1
+
+
+def _thread_count(threads):
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise MinigistError(f"--threads: expected a positive integer, got {threads!r}")
+    return int(threads)
+
+
+def resolve_conv(conv, xp=np, dtype=np.float32):
+    """The engine `conv` names: "auto" is oneDNN where it can run (the library loads, the CPU,
+    float32), im2col otherwise; the others are themselves."""
+    if conv != "auto":
+        return conv
+    usable = onednn.available() and xp is np and np.dtype(dtype) == np.float32
+    return "onednn" if usable else "im2col"
+
+
 def set_conv_engine(graphs, conv, xp=np, dtype=np.float32):
-    """Check the --conv engine and hand it to every Convolution layer of `graphs` before
-    their workspaces are planned (oneDNN's blocked copies replace the im2col columns)."""
-    if conv not in CONV_ENGINES:
-        raise MinigistError(f"--conv: expected one of {', '.join(CONV_ENGINES)}, got {conv!r}")
+    """Check the --conv engine ("auto" resolved by resolve_conv) and hand it to every
+    Convolution layer of `graphs` before their workspaces are planned (oneDNN's blocked copies
+    replace the im2col columns); returns the engine chosen."""
+    if conv not in CONV_CHOICES:
+        raise MinigistError(f"--conv: expected one of {', '.join(CONV_CHOICES)}, got {conv!r}")
+    conv = resolve_conv(conv, xp, dtype)
     if conv == "onednn":
         if not onednn.available():
             raise MinigistError(f"--conv onednn: {onednn.unavailable_reason()}")
@@ -435,7 +499,7 @@ def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtyp
         raise MinigistError(str(exc)) from None
     graph = build_graph(model, "TRAIN", batch_size, input_size, dtype, add_loss=add_loss,
                         input_channels=input_channels)
-    set_conv_engine([graph], conv, np, dtype)
+    conv = set_conv_engine([graph], conv, np, dtype)
     program = apply_gist(build_program(graph, train=True, fused_update=update == "fused"), config)
     extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update,
              "conv": conv}

@@ -22,6 +22,8 @@ import sys
 
 import numpy as np
 
+from .backend import scoped
+
 # oneDNN 3.x C API values (dnnl_types.h, dnnl_common_types.h)
 _SUCCESS = 0
 _F32 = 3
@@ -132,11 +134,20 @@ def max_threads():
 
 def set_threads(count):
     """Run oneDNN's kernels on `count` OpenMP threads from now on (omp_set_num_threads on the
-    calling thread). Call it before the primitives are made: oneDNN splits the work by the
-    thread count, and its float results depend on it."""
+    calling thread); returns the previous count, or None (and changes nothing) without the
+    library. Call it before the primitives are made: oneDNN splits the work by the thread
+    count, and its float results depend on it."""
     omp = _openmp()
-    if omp is not None:
-        omp.omp_set_num_threads(int(count))
+    if omp is None:
+        return None
+    previous = max_threads()
+    omp.omp_set_num_threads(int(count))
+    return previous
+
+
+def threads(count):
+    """oneDNN on `count` OpenMP threads inside a `with` block (None: as they are)."""
+    return scoped(set_threads, count)
 
 
 def _check(status, what):

@@ -177,6 +177,14 @@ def _human(nbytes):
     return f"{nbytes / size:,.1f} {unit}" if size > 1 else f"{nbytes:,} B"
 
 
+def _separate_update_starts(program):
+    """The step where the updates start when they run as one block after the backward pass
+    (the separate update), else None (a fused update runs each inside the backward pass)."""
+    kinds = [step.kind for step in program.steps]
+    first = next((i for i, k in enumerate(kinds) if k == "update"), None)
+    return first if first is not None and all(k == "update" for k in kinds[first:]) else None
+
+
 def plot_timeline(plan, report, path, width=1400, height=760):
     """Stacked areas of bytes live by category over the steps of `plan`'s program."""
     from PIL import Image, ImageDraw
@@ -249,7 +257,9 @@ def plot_timeline(plan, report, path, width=1400, height=760):
         draw.line([(x, top + ph), (x, top + ph + 5)], fill=dark)
         draw.text((x, top + ph + 8), str(step), fill=dark, font=small, anchor="mt")
     draw.rectangle([left, top, left + pw, top + ph], outline=dark)
-    draw.text((left + pw / 2, height - 30), "program step (forward, backward, update)", fill=dark, font=font,
+    steps_are = ("program step (forward, backward, update)" if _separate_update_starts(program) is not None
+                 else "program step (forward, backward with fused updates)")
+    draw.text((left + pw / 2, height - 30), steps_are, fill=dark, font=font,
               anchor="mm")
     ylabel = Image.new("RGB", (ph, 22), "white")
     ImageDraw.Draw(ylabel).text((ph / 2, 11), f"bytes live ({unit})", fill=dark, font=font, anchor="mm")
@@ -261,15 +271,20 @@ def plot_timeline(plan, report, path, width=1400, height=760):
     first_backward = next((i for i, k in enumerate(kinds) if k not in ("forward", "encode")), None)
     if first_backward:
         marks.append((first_backward, "backward"))
-    first_update = next((i for i, k in enumerate(kinds) if k == "update"), None)
-    if first_update:
+    # an update phase only where the updates run as one block after the backward pass (the
+    # separate update); a fused update runs each one inside the backward pass, no phase of its own
+    first_update = _separate_update_starts(program)
+    if first_update is not None:
         marks.append((first_update, "update"))
     draw.text((left + 6, top + 6), "forward", fill=dark, font=small)
+    label_right = left
     for step, label in marks:
         x = x_of(step)
         for y in range(top, top + ph, 8):
             draw.line([(x, y), (x, min(y + 4, top + ph))], fill=(90, 90, 90))
-        draw.text((x + 5, top + 6), label, fill=dark, font=small)
+        row = 1 if x + 5 < label_right + 6 else 0      # the next row down where the previous label runs on
+        draw.text((x + 5, top + 6 + 14 * row), label, fill=dark, font=small)
+        label_right = max(label_right, draw.textbbox((x + 5, top + 6), label, font=small)[2])
 
     # footprint (the arena) and the peak
     yf = y_of(footprint)
@@ -289,14 +304,21 @@ def plot_timeline(plan, report, path, width=1400, height=760):
         label = program.steps[peak_step].label if program.steps else ""
         text = f"peak {_human(peak)} at step {peak_step} ({label})"
         anchor = "lb" if peak_right else "rb"
-        draw.text((xp_ + (10 if peak_right else -10), yp - 16), text, fill=(0, 0, 0), font=font, anchor=anchor)
+        where = (xp_ + (10 if peak_right else -10), yp - 16)
+        box = draw.textbbox(where, text, font=font, anchor=anchor)   # on white: the phase lines stop at it
+        draw.rectangle([box[0] - 3, box[1] - 2, box[2] + 3, box[3] + 2], fill=(255, 255, 255))
+        draw.text(where, text, fill=(0, 0, 0), font=font, anchor=anchor)
 
     # title
     model = (report or {}).get("model", "") or "model"
     shape = "x".join(str(d) for d in (report or {}).get("input_shape", []))
-    gist = ((report or {}).get("gist") or {}).get("mode")
+    gist_config = (report or {}).get("gist") or {}
+    gist = gist_config.get("mode")
+    if gist in ("lossy", "all") and gist_config.get("dpr"):
+        gist = f"{gist} ({gist_config['dpr']})"
+    engine = (report or {}).get("conv")
     title = (f"{model}: training memory by category, batch {(report or {}).get('batch_size', '?')}, input {shape}, "
-             f"alloc {plan.mode}" + (f", gist {gist}" if gist else ""))
+             f"alloc {plan.mode}" + (f", gist {gist}" if gist else "") + (f", conv {engine}" if engine else ""))
     draw.text((left, 22), title, fill=dark, font=big, anchor="lm")
     draw.text((left, 44), f"{steps} steps; stacked bytes live at each step (aligned to {plan.alignment} B)",
               fill=(90, 90, 90), font=small, anchor="lm")

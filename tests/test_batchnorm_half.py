@@ -124,6 +124,7 @@ print([net.train_step(rng.standard_normal((2, 3, 32, 32)).astype(np.float32), rn
 """
 
 
+@pytest.mark.slow
 def test_a_net_without_numba_trains_like_one_with_it():
     """ResNet-20 under lossy (BatchNorm writing its fp16 stash) with numba's import blocked:
     the same losses, bit for bit, as with the kernels (or as itself, where numba is absent)."""

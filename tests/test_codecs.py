@@ -376,6 +376,7 @@ def test_dpr_rejects_other_dtypes():
 SHAPES = [(1000,), (3, 5, 7, 11), (2, 3, 120, 301)]        # the last spans 4 chunks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["csr", "bitmap"])
 @pytest.mark.parametrize("density", [0.0, 0.01, 0.5, 0.95, 1.0])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -434,6 +435,7 @@ def test_ssdc_over_capacity(fmt):
     assert ok is True and out.tobytes() == edge.tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vf", list(FORMATS))
 @pytest.mark.parametrize("fmt", ["csr", "bitmap"])
 def test_ssdc_dpr_values(vf, fmt):

@@ -38,6 +38,7 @@ def train(name, gist, alloc, steps=5, **kwargs):
     return net, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SMALL_MODELS)
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])
 def test_lossless_training_is_bit_identical(name, alloc):
@@ -50,6 +51,7 @@ def test_lossless_training_is_bit_identical(name, alloc):
     assert encodings & {"relu-pool-4bit", "mask-1bit", "ssdc", "index-4bit"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SMALL_MODELS)
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])
 @pytest.mark.parametrize("gist", ["lossless", "all"])
@@ -70,6 +72,7 @@ def test_streamed_stashes_train_like_whole_ones(name, alloc, gist, monkeypatch):
         np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "ufuncs"])
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])
 @pytest.mark.parametrize("name,gist", [("resnet20", "lossy"), ("resnet20", "all"), ("inception_small", "all")])
@@ -243,6 +246,7 @@ def test_conv_inputs_are_decoded_a_slice_at_a_time():
     assert not [s for s in steps if s.streams and f"dec:{tensor}" in s.streams]
 
 
+@pytest.mark.slow
 def test_the_issue_targets_hold_on_exact_plans():
     """The README's Gist table claims (static allocation, batch 64, fused update, measured
     SSDC densities + 5%): all + FP16 averages >= 2.0x over the paper's five networks with a

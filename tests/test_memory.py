@@ -307,6 +307,7 @@ def test_gpu_allocations_outside_the_arena_are_small(name):
 BUNDLED = sorted(f[:-9] for f in os.listdir(MODELS_DIR) if f.endswith(".prototxt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BUNDLED)
 @pytest.mark.parametrize("batch_size", [1, 64])
 def test_bundled_model_plans(name, batch_size):

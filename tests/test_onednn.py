@@ -145,6 +145,7 @@ def test_onednn_nets_train_like_im2col_and_repeat_bit_for_bit(model):
                     np.concatenate([w.ravel() for w in theirs.values()])) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alloc", ["none", "dynamic"])
 def test_onednn_lossless_gist_and_allocation_modes_keep_the_bits(alloc):
     """Gist lossless and every allocation mode train to the same bits as the plain static net."""
@@ -224,7 +225,7 @@ def test_onednn_runs_the_codec_kernels_on_its_openmp_threads(monkeypatch):
 
 
 def test_onednn_errors():
-    with pytest.raises(MinigistError, match="--conv: expected one of im2col, onednn, got 'fast'"):
+    with pytest.raises(MinigistError, match="--conv: expected one of auto, im2col, onednn, got 'fast'"):
         small_net("vgg_small", conv="fast")
     with pytest.raises(MinigistError, match="--conv onednn runs float32 only, not float64"):
         small_net("vgg_small", conv="onednn", dtype=np.float64)
@@ -240,6 +241,7 @@ def test_train_py_without_the_library_is_a_one_line_error(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_train_py_resumes_bit_for_bit_and_keeps_its_engine(tmp_path):
     """An interrupted --conv onednn --threads 2 run resumes (with neither flag: the
     checkpoint's engine and thread count) to the weights of an uninterrupted one; a resume
@@ -252,7 +254,8 @@ def test_train_py_resumes_bit_for_bit_and_keeps_its_engine(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
     result = run_cli(*common, "--iters", 6, "--checkpoint", whole)
     assert result.returncode == 0, result.stderr
-    assert "conv: oneDNN 3." in result.stdout and "on 1 thread during the steps" in result.stdout
+    assert "conv: onednn, oneDNN 3." in result.stdout and ", 2 OpenMP threads (--threads)" in result.stdout
+    assert ", 1 thread during the steps (--conv onednn" in result.stdout
     assert run_cli(*common, "--iters", 3, "--checkpoint", part).returncode == 0
     resumed = run_cli("--checkpoint", part, "--resume", "--iters", 6)
     assert resumed.returncode == 0, resumed.stderr

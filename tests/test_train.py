@@ -13,7 +13,7 @@ from PIL import Image
 
 import minigist
 from minigist.errors import MemoryBudgetError
-from minigist import datasets
+from minigist import datasets, jit
 from minigist.errors import MinigistError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,7 +76,8 @@ def folder(tmp_path_factory):
 def one_line_error(result, *words):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
+    # a cold numba cache adds its one compile notice (jit.COMPILE_NOTICE) before the error
+    lines = [line for line in result.stderr.strip().splitlines() if line != jit.COMPILE_NOTICE]
     assert len(lines) == 1, result.stderr
     for word in words:
         assert word in lines[0], lines[0]
@@ -212,6 +213,7 @@ def make_args(**values):
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["vgg_small", "resnet20", "inception_small"])
 def test_small_models_train_through_train_py(model, folder):
     result = run_cli("--model", model, "--data", folder, "--iters", 2, "--batch-size", 2, "--input-size", 16,
@@ -233,6 +235,7 @@ def final_weights(folder):
         return {k: stored[k] for k in stored.files if not k.startswith("__")}
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(tiny, folder, tmp_path):
     common = ["--model", tiny, "--data", folder, "--train-eval-size", 0, "--lr-step", 1, "--lr-gamma", 0.5]
     whole, part = tmp_path / "whole", tmp_path / "part"
@@ -253,6 +256,7 @@ def test_resume_is_bitwise_identical(tiny, folder, tmp_path):
     one_line_error(mismatch, "--momentum")
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_a_readable_checkpoint_and_resumes_exactly(tiny, tmp_path):
     common = ["--model", tiny, "--data", "synthetic", "--holdout", 0.02, "--train-eval-size", 0,
               "--checkpoint-every", 1, "--eval-every", 0]
@@ -378,6 +382,7 @@ SPARSE = "\n".join(
        'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }']) + "\n"
 
 
+@pytest.mark.slow
 def test_memory_budget_is_held_against_the_calibrated_plan(tmp_path):
     """With SSDC the plan shrinks once densities are measured: train.py checks its budget after
     calibration, so a budget that only the calibrated plan meets trains, and one below it fails
@@ -431,8 +436,8 @@ def test_plan_only_of_a_deploy_file_says_forward_only_or_plans_the_added_loss(tm
     assert "added loss: SoftmaxWithLoss 'loss' on 'fc', the scores that feed the final Softmax 'prob'" in out
     report = json.loads(report_path.read_text())
     assert report["forward_only"] is False and report["backward_peak_bytes"] > 0
-    assert report["footprint_bytes"] == minigist.net.plan_footprint(TINY_DEPLOY, add_loss=True,
-                                                                    update="fused")["footprint_bytes"]
+    assert report["footprint_bytes"] == minigist.net.plan_footprint(TINY_DEPLOY, add_loss=True, update="fused",
+                                                                    conv=report["conv"])["footprint_bytes"]
 
 
 @pytest.mark.parametrize("data", ["synthetic", "mnist5k"])
@@ -449,3 +454,43 @@ def test_a_bottom_from_a_phase_excluded_layer_is_a_one_line_error():
     one_line_error(run_cli("--model", model, "--data", "synthetic", "--iters", 1),
                    "phase_excluded.prototxt:19: layer 'accuracy': bottom 'scores' comes only from layer 'fc' "
                    "(line 10), which its include rule leaves out of the TEST phase")
+
+
+def checkpoint_config(folder):
+    with np.load(os.path.join(folder, train.CHECKPOINT_NAME), allow_pickle=False) as stored:
+        return json.loads(stored["__meta__"].tobytes().decode("utf-8"))["config"]
+
+
+@pytest.mark.slow
+def test_conv_auto_names_and_records_the_engine_it_chose(tiny, tmp_path):
+    """--conv auto (the default) runs oneDNN where it is installed and im2col otherwise; the
+    printed lines, the report and the checkpoint name the engine chosen (never "auto"), and the
+    checkpoint holds the thread count, so that a resume runs the same engine on the same threads."""
+    from minigist import onednn
+    common = ["--model", tiny, "--data", "synthetic", "--holdout", 0.02, "--train-eval-size", 0, "--eval-every", 0,
+              "--iters", 2]
+    env = dict(os.environ, MINIGIST_ONEDNN_LIB=str(tmp_path / "missing" / "libdnnl.so.3"))
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    report = tmp_path / "r.json"
+    without = subprocess.run([sys.executable, TRAIN, *map(str, common), "--checkpoint", tmp_path / "a",
+                              "--report-json", report], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert without.returncode == 0, without.stderr
+    assert "conv im2col)" in without.stdout.splitlines()[0]
+    assert "conv: im2col, minigist's own (numpy + BLAS) (--conv auto: oneDNN unavailable:" in without.stdout
+    assert ", 1 thread during the steps (the default for --conv im2col)" in without.stdout
+    assert json.loads(report.read_text())["conv"] == "im2col"
+    assert "conv im2col" in without.stdout.split("memory: ", 1)[1].splitlines()[0]
+    config = checkpoint_config(tmp_path / "a")
+    assert (config["conv"], config["threads"]) == ("im2col", 1)
+    if not onednn.available():
+        return
+    run = run_cli(*common, "--checkpoint", tmp_path / "b", "--report-json", report)
+    assert run.returncode == 0, run.stderr
+    assert "conv onednn)" in run.stdout.splitlines()[0]
+    config = checkpoint_config(tmp_path / "b")
+    assert config["conv"] == json.loads(report.read_text())["conv"] == "onednn"
+    assert config["threads"] == minigist.default_threads("onednn")
+    resumed = run_cli("--checkpoint", tmp_path / "b", "--resume", "--conv", "auto", "--iters", 3)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{minigist.default_threads('onednn')} OpenMP thread" in resumed.stdout
+    one_line_error(run_cli("--checkpoint", tmp_path / "b", "--resume", "--conv", "im2col"), "--conv")

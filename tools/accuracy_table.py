@@ -23,7 +23,7 @@ def main(extra):
     print("|---|---:|---:|---:|---:|")
     for label, flags in MODES:
         start = time.perf_counter()
-        run = subprocess.run([sys.executable, os.path.join(ROOT, "train.py")] + flags + extra,
+        run = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--conv", "im2col"] + flags + extra,
                              capture_output=True, text=True)
         seconds = time.perf_counter() - start
         if run.returncode != 0:

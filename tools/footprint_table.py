@@ -23,15 +23,15 @@ def mib(nbytes):
 
 def main(batch_size=64):
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models")
-    print(f"| model (batch {batch_size}) | none MiB | static MiB | dynamic MiB | lower bound MiB | "
+    print(f"| model (batch {batch_size}, conv im2col) | none MiB | static MiB | dynamic MiB | lower bound MiB | "
           f"static / bound | dynamic fragmentation MiB | none / static | static, separate update MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     start = time.perf_counter()
     for name in MODELS:
         path = os.path.join(here, name + ".prototxt")
-        reports = {mode: plan_footprint(path, batch_size=batch_size, alloc=mode, update="fused")
+        reports = {mode: plan_footprint(path, batch_size=batch_size, alloc=mode, update="fused", conv="im2col")
                    for mode in ("none", "static", "dynamic")}
-        separate = plan_footprint(path, batch_size=batch_size, alloc="static", update="separate")
+        separate = plan_footprint(path, batch_size=batch_size, alloc="static", update="separate", conv="im2col")
         static, dynamic = reports["static"], reports["dynamic"]
         bound = static["live_peak_bytes"]
         print(f"| {name} | {mib(reports['none']['footprint_bytes'])} | {mib(static['footprint_bytes'])} | "

@@ -141,7 +141,8 @@ class MemoryPlan:
                 sizes[buffer.name] = align(buffer.nbytes, self.alignment)
             top = sorted(sizes.items(), key=lambda item: -item[1])[:3]
             listed = ", ".join(f"{name} {nbytes:,}" for name, nbytes in top)
-            raise MemoryBudgetError(f"--memory-budget: the {self.mode} plan needs {needed:,} bytes, the budget "
+            # no flag named: the library raises it too (train.py prefixes its --memory-budget)
+            raise MemoryBudgetError(f"the {self.mode} plan needs {needed:,} bytes, the budget "
                                     f"allows {budget:,} bytes; largest buffers: {listed}")
 
 

@@ -136,8 +136,9 @@ def _mib(nbytes):
 
 def format_report(report):
     """The report as a short printed table."""
+    engine = f"  conv {report['conv']}" if report.get("conv") else ""   # the engine the plan was made for
     lines = [f"memory: {report['model']}  batch {report['batch_size']}  input {tuple(report['input_shape'])}  "
-             f"alloc {report['alloc']}"]
+             f"alloc {report['alloc']}{engine}"]
     if report.get("forward_only"):
         lines.append(f"  forward only: {report['forward_only_reason']}, so nothing is trained and this is an "
                      f"inference plan (add_loss=True, train.py --add-loss, appends a SoftmaxWithLoss)")
