@@ -169,6 +169,47 @@ def test_eltwise(param, reference):
     check_gradients(layer, xs)
 
 
+def caffe_eltwise_max(xs):
+    """Caffe's EltwiseLayer MAX forward, element by element: (top, index of the winner)."""
+    top, mask = np.empty_like(xs[0]), np.empty(xs[0].shape, np.int64)
+    for idx in np.ndindex(top.shape):
+        a, b = xs[0][idx], xs[1][idx]
+        top[idx], mask[idx] = (a, 0) if a > b else (b, 1)
+        for i in range(2, len(xs)):
+            if xs[i][idx] > top[idx]:
+                top[idx], mask[idx] = xs[i][idx], i
+    return top, mask
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_eltwise_max_ties_and_nans_go_where_caffe_sends_them(count):
+    """Bottom 0 beats bottom 1 only when strictly greater; later bottoms only when strictly
+    greater than the running maximum. With ties the forward is the same, the gradient is not."""
+    rng = np.random.default_rng(17)
+    choices = np.array([0.0, 1.0, 2.0, np.nan])
+    xs = [choices[rng.integers(0, 4, size=(6, 40))] for _ in range(count)]
+    xs[0][0, :3] = xs[1][0, :3] = 5.0          # 0 == 1: bottom 1
+    if count >= 3:
+        xs[2][0, :2] = 5.0                     # 0 == 1 == 2: still bottom 1
+        xs[0][1, 0], xs[1][1, 0], xs[2][1, 0] = 5.0, 1.0, 5.0   # 0 == 2 > 1: bottom 0
+        xs[0][1, 1], xs[1][1, 1], xs[2][1, 1] = 1.0, 5.0, 5.0   # 1 == 2 > 0: bottom 1
+    names = "".join(f' bottom: "b{i}"' for i in range(count))
+    layer = make_layer(f'name: "e" type: "Eltwise"{names} top: "y" eltwise_param {{ operation: MAX }}',
+                       [x.shape for x in xs])
+    run = LayerRun(layer)
+    y, = run.forward(xs)
+    top, winner = caffe_eltwise_max(xs)
+    np.testing.assert_array_equal(y, top)      # NaN where Caffe's top is NaN
+    np.testing.assert_array_equal(run.saved["argmax"], winner)
+    assert (winner[0, :3] == 1).all()
+    if count >= 3:
+        assert winner[1, 0] == 0 and winner[1, 1] == 1
+    gy = rng.standard_normal(y.shape)
+    gx = run.backward([gy])[0]
+    for i in range(count):
+        np.testing.assert_array_equal(gx[i], np.where(winner == i, gy, 0.0))
+
+
 def test_eltwise_coeff_count():
     with pytest.raises(LayerSetupError, match="coeff"):
         make_layer('name: "e" type: "Eltwise" bottom: "a" bottom: "b" top: "y" eltwise_param { coeff: 1 }',
