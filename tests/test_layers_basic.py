@@ -130,9 +130,48 @@ def test_accuracy(top_k):
     layer = make_layer(f'name: "a" type: "Accuracy" bottom: "s" bottom: "l" top: "a" accuracy_param {{ top_k: {top_k} }}',
                        [scores.shape, labels.shape])
     acc, = LayerRun(layer).forward([scores, labels])
-    ranks = [(scores[i] > scores[i, int(labels[i])]).sum() for i in range(4)]
-    assert float(acc) == pytest.approx(np.mean([r < top_k for r in ranks]))
+    assert float(acc) == pytest.approx(caffe_accuracy(scores, labels, top_k))
     assert not layer.has_backward
+
+
+def caffe_accuracy(scores, labels, top_k, ignore_label=None):
+    """Caffe's AccuracyLayer, loop for loop: a sample is a hit when fewer than top_k classes
+    other than the true one score >= the true class (the true class itself counts when its
+    score is >= itself, i.e. not NaN)."""
+    hits = count = 0
+    for i, label in enumerate(labels.astype(int)):
+        if ignore_label is not None and label == ignore_label:
+            continue
+        better = -1
+        for k in range(scores.shape[1]):
+            better += scores[i, k] >= scores[i, label]
+        hits += better < top_k
+        count += 1
+    return 0.0 if count == 0 else hits / count
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("ignore", [None, 2])
+def test_accuracy_ties_and_nans_count_as_caffe(top_k, ignore):
+    scores = np.array([[0.0, 0.0, 0.0, 0.0],        # all tied: a miss for top_k < 4
+                       [0.5, 0.5, 0.1, 0.2],        # tie with one other class
+                       [0.5, 0.5, 0.5, 0.2],        # tie with two
+                       [np.nan, 0.3, 0.3, 0.1],     # a NaN elsewhere never counts as better
+                       [0.2, np.nan, 0.9, 0.1],     # a NaN true class is a hit in Caffe
+                       [0.9, 0.1, 0.3, 0.3]])
+    labels = np.array([0.0, 1.0, 2.0, 1.0, 1.0, 2.0])
+    extra = f" ignore_label: {ignore}" if ignore is not None else ""
+    layer = make_layer(f'name: "a" type: "Accuracy" bottom: "s" bottom: "l" top: "a" '
+                       f'accuracy_param {{ top_k: {top_k}{extra} }}', [scores.shape, labels.shape])
+    acc, = LayerRun(layer).forward([scores, labels])
+    expected = caffe_accuracy(scores, labels, top_k, ignore)
+    assert float(acc) == pytest.approx(expected)
+    if top_k == 1:
+        hits = [False, False, False, False, True, False]
+        kept = [i for i in range(6) if ignore is None or labels[i] != ignore]
+        assert expected == pytest.approx(np.mean([hits[i] for i in kept]))
+    zeros, = LayerRun(layer).forward([np.zeros_like(scores), labels])
+    assert float(zeros) == (1.0 if top_k == 4 else 0.0)    # all-zero scores: 0.0 in Caffe
 
 
 @pytest.mark.parametrize("axis", [1, 0, 2])

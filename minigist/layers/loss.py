@@ -146,7 +146,8 @@ class SoftmaxWithLoss(_LabelLayer):
 
 @register
 class Accuracy(_LabelLayer):
-    """Fraction of predictions whose true class is among the top_k scores (no backward)."""
+    """Fraction of predictions with fewer than top_k other classes scoring at least the true
+    class's score, as Caffe counts (no backward)."""
     type = "Accuracy"
     param_field = "accuracy_param"
 
@@ -172,8 +173,10 @@ class Accuracy(_LabelLayer):
         labels = self.labels(xp, x[1])
         true_score, _, _, _ = self.gather(xp, scores3, labels)
         above = ws["above"].reshape(scores3.shape)
-        xp.greater(scores3, true_score[:, None, :], out=above)
-        correct = above.sum(axis=1) < self.top_k
+        # Caffe counts every class scoring >= the true class, the true class included (so
+        # ties count against the prediction, and a NaN true score, >= nothing, is a hit)
+        xp.greater_equal(scores3, true_score[:, None, :], out=above)
+        correct = above.sum(axis=1) <= self.top_k
         if self.ignore_label is None:
             y[0][...] = correct.mean()
         else:
