@@ -170,6 +170,16 @@ def test_accuracy_ties_and_nans_count_as_caffe(top_k, ignore):
         hits = [False, False, False, False, True, False]
         kept = [i for i in range(6) if ignore is None or labels[i] != ignore]
         assert expected == pytest.approx(np.mean([hits[i] for i in kept]))
+    per_class = make_layer(f'name: "a" type: "Accuracy" bottom: "s" bottom: "l" top: "a" top: "c" '
+                           f'accuracy_param {{ top_k: {top_k}{extra} }}', [scores.shape, labels.shape])
+    assert per_class.top_shapes == [(), (4,)]
+    acc2, rates = LayerRun(per_class).forward([scores, labels])
+    assert float(acc2) == float(acc)
+    expected_rates = []
+    for c in range(4):      # Caffe: hits / samples of class c, 0 for a class with none
+        chosen = (labels == c) & (labels != (ignore if ignore is not None else -1))
+        expected_rates.append(caffe_accuracy(scores[chosen], labels[chosen], top_k) if chosen.any() else 0.0)
+    np.testing.assert_allclose(rates, expected_rates, rtol=1e-12)
     zeros, = LayerRun(layer).forward([np.zeros_like(scores), labels])
     assert float(zeros) == (1.0 if top_k == 4 else 0.0)    # all-zero scores: 0.0 in Caffe
 
