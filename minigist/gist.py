@@ -48,8 +48,8 @@ STREAM_MIN_BYTES = 4 << 20
 # would save as little and round the layer's whole input gradient.
 DPR_MIN_BYTES = 4096
 
-# layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU (LRN too:
-# x * scale^-beta with scale >= k > 0 is zero exactly where x is)
+# layers whose output keeps the zeros of a ReLU input: SSDC candidates after a ReLU (LRN too,
+# either norm_region: x * scale^-beta with scale >= k (or 1) > 0 is zero exactly where x is)
 _SPARSITY_PRESERVING = {"ReLU", "Concat", "Dropout", "Flatten", "Split", "LRN"}
 
 

@@ -358,3 +358,50 @@ def test_dpr_encodes_feature_maps_of_4_kib_and_more(name, batch):
     assert all(r["encoding"] == "fp32" and r["stored_bytes"] == align(r["raw_bytes"]) for r in kept.values())
     others = [r for t, r in table.items() if t not in kept and not t.endswith(".argmax")]
     assert others and all(r["encoding"] == "fp16" and r["shape"][0] == batch for r in others)
+
+
+CIFAR_FULL_LIKE = '''name: "cifar_full_like"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 3 dim: 16 dim: 16 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 32 pad: 2 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.01 } } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }
+layer { name: "norm1" type: "LRN" bottom: "pool1" top: "norm1"
+  lrn_param { local_size: 3 alpha: 5e-05 beta: 0.75 norm_region: REGION } }
+layer { name: "conv2" type: "Convolution" bottom: "norm1" top: "conv2"
+  convolution_param { num_output: 32 pad: 2 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.01 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "conv2" top: "fc"
+  inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.01 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+'''
+
+
+def test_within_channel_lrn_gets_the_across_channels_treatment(tmp_path):
+    """cifar10_full's WITHIN_CHANNEL LRN: the same stashes, encodings and footprint as an
+    ACROSS_CHANNELS one (its input, a ReLU output, in SSDC or DPR; its own output read by a
+    convolution), and lossless training bit-identical to none."""
+    rng = np.random.default_rng(4)
+    data, label = rng.standard_normal((4, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 4)
+    tables, footprints = {}, {}
+    for region in ("ACROSS_CHANNELS", "WITHIN_CHANNEL"):
+        path = tmp_path / f"{region}.prototxt"
+        path.write_text(CIFAR_FULL_LIKE.replace("REGION", region))
+        for gist in ("lossless", "all"):
+            net = minigist.Net(path, batch_size=4, seed=1, gist=gist)
+            net.calibrate([(data, label)])
+            tables[region, gist] = {t: row["encoding"] for t, row in stash_table(net).items()}
+            footprints[region, gist] = net.report()["footprint_bytes"]
+        grads = {}
+        for gist in ("none", "lossless"):
+            net = minigist.Net(path, batch_size=4, seed=1, gist=gist)
+            net.forward_backward(data, label)
+            grads[gist] = {k: v.copy() for k, v in net.grads().items()}
+        for key, value in grads["none"].items():
+            np.testing.assert_array_equal(grads["lossless"][key], value, err_msg=f"{region} {key}")
+    for gist in ("lossless", "all"):
+        assert tables["WITHIN_CHANNEL", gist] == tables["ACROSS_CHANNELS", gist]
+        assert footprints["WITHIN_CHANNEL", gist] == footprints["ACROSS_CHANNELS", gist]
+    # under `all` the LRN's input (the ReLU output) and output are encoded, not kept as fp32
+    assert tables["WITHIN_CHANNEL", "all"]["pool1@relu1"] != "fp32"
+    assert tables["WITHIN_CHANNEL", "all"]["norm1"] != "fp32"

@@ -130,9 +130,58 @@ def test_accuracy(top_k):
     layer = make_layer(f'name: "a" type: "Accuracy" bottom: "s" bottom: "l" top: "a" accuracy_param {{ top_k: {top_k} }}',
                        [scores.shape, labels.shape])
     acc, = LayerRun(layer).forward([scores, labels])
-    ranks = [(scores[i] > scores[i, int(labels[i])]).sum() for i in range(4)]
-    assert float(acc) == pytest.approx(np.mean([r < top_k for r in ranks]))
+    assert float(acc) == pytest.approx(caffe_accuracy(scores, labels, top_k))
     assert not layer.has_backward
+
+
+def caffe_accuracy(scores, labels, top_k, ignore_label=None):
+    """Caffe's AccuracyLayer, loop for loop: a sample is a hit when fewer than top_k classes
+    other than the true one score >= the true class (the true class itself counts when its
+    score is >= itself, i.e. not NaN)."""
+    hits = count = 0
+    for i, label in enumerate(labels.astype(int)):
+        if ignore_label is not None and label == ignore_label:
+            continue
+        better = -1
+        for k in range(scores.shape[1]):
+            better += scores[i, k] >= scores[i, label]
+        hits += better < top_k
+        count += 1
+    return 0.0 if count == 0 else hits / count
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("ignore", [None, 2])
+def test_accuracy_ties_and_nans_count_as_caffe(top_k, ignore):
+    scores = np.array([[0.0, 0.0, 0.0, 0.0],        # all tied: a miss for top_k < 4
+                       [0.5, 0.5, 0.1, 0.2],        # tie with one other class
+                       [0.5, 0.5, 0.5, 0.2],        # tie with two
+                       [np.nan, 0.3, 0.3, 0.1],     # a NaN elsewhere never counts as better
+                       [0.2, np.nan, 0.9, 0.1],     # a NaN true class is a hit in Caffe
+                       [0.9, 0.1, 0.3, 0.3]])
+    labels = np.array([0.0, 1.0, 2.0, 1.0, 1.0, 2.0])
+    extra = f" ignore_label: {ignore}" if ignore is not None else ""
+    layer = make_layer(f'name: "a" type: "Accuracy" bottom: "s" bottom: "l" top: "a" '
+                       f'accuracy_param {{ top_k: {top_k}{extra} }}', [scores.shape, labels.shape])
+    acc, = LayerRun(layer).forward([scores, labels])
+    expected = caffe_accuracy(scores, labels, top_k, ignore)
+    assert float(acc) == pytest.approx(expected)
+    if top_k == 1:
+        hits = [False, False, False, False, True, False]
+        kept = [i for i in range(6) if ignore is None or labels[i] != ignore]
+        assert expected == pytest.approx(np.mean([hits[i] for i in kept]))
+    per_class = make_layer(f'name: "a" type: "Accuracy" bottom: "s" bottom: "l" top: "a" top: "c" '
+                           f'accuracy_param {{ top_k: {top_k}{extra} }}', [scores.shape, labels.shape])
+    assert per_class.top_shapes == [(), (4,)]
+    acc2, rates = LayerRun(per_class).forward([scores, labels])
+    assert float(acc2) == float(acc)
+    expected_rates = []
+    for c in range(4):      # Caffe: hits / samples of class c, 0 for a class with none
+        chosen = (labels == c) & (labels != (ignore if ignore is not None else -1))
+        expected_rates.append(caffe_accuracy(scores[chosen], labels[chosen], top_k) if chosen.any() else 0.0)
+    np.testing.assert_allclose(rates, expected_rates, rtol=1e-12)
+    zeros, = LayerRun(layer).forward([np.zeros_like(scores), labels])
+    assert float(zeros) == (1.0 if top_k == 4 else 0.0)    # all-zero scores: 0.0 in Caffe
 
 
 @pytest.mark.parametrize("axis", [1, 0, 2])
@@ -167,6 +216,47 @@ def test_eltwise(param, reference):
     y, = LayerRun(layer).forward(xs)
     np.testing.assert_allclose(y, reference(*xs), rtol=1e-12)
     check_gradients(layer, xs)
+
+
+def caffe_eltwise_max(xs):
+    """Caffe's EltwiseLayer MAX forward, element by element: (top, index of the winner)."""
+    top, mask = np.empty_like(xs[0]), np.empty(xs[0].shape, np.int64)
+    for idx in np.ndindex(top.shape):
+        a, b = xs[0][idx], xs[1][idx]
+        top[idx], mask[idx] = (a, 0) if a > b else (b, 1)
+        for i in range(2, len(xs)):
+            if xs[i][idx] > top[idx]:
+                top[idx], mask[idx] = xs[i][idx], i
+    return top, mask
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_eltwise_max_ties_and_nans_go_where_caffe_sends_them(count):
+    """Bottom 0 beats bottom 1 only when strictly greater; later bottoms only when strictly
+    greater than the running maximum. With ties the forward is the same, the gradient is not."""
+    rng = np.random.default_rng(17)
+    choices = np.array([0.0, 1.0, 2.0, np.nan])
+    xs = [choices[rng.integers(0, 4, size=(6, 40))] for _ in range(count)]
+    xs[0][0, :3] = xs[1][0, :3] = 5.0          # 0 == 1: bottom 1
+    if count >= 3:
+        xs[2][0, :2] = 5.0                     # 0 == 1 == 2: still bottom 1
+        xs[0][1, 0], xs[1][1, 0], xs[2][1, 0] = 5.0, 1.0, 5.0   # 0 == 2 > 1: bottom 0
+        xs[0][1, 1], xs[1][1, 1], xs[2][1, 1] = 1.0, 5.0, 5.0   # 1 == 2 > 0: bottom 1
+    names = "".join(f' bottom: "b{i}"' for i in range(count))
+    layer = make_layer(f'name: "e" type: "Eltwise"{names} top: "y" eltwise_param {{ operation: MAX }}',
+                       [x.shape for x in xs])
+    run = LayerRun(layer)
+    y, = run.forward(xs)
+    top, winner = caffe_eltwise_max(xs)
+    np.testing.assert_array_equal(y, top)      # NaN where Caffe's top is NaN
+    np.testing.assert_array_equal(run.saved["argmax"], winner)
+    assert (winner[0, :3] == 1).all()
+    if count >= 3:
+        assert winner[1, 0] == 0 and winner[1, 1] == 1
+    gy = rng.standard_normal(y.shape)
+    gx = run.backward([gy])[0]
+    for i in range(count):
+        np.testing.assert_array_equal(gx[i], np.where(winner == i, gy, 0.0))
 
 
 def test_eltwise_coeff_count():

@@ -38,12 +38,15 @@ def ref_conv(x, weight, bias, stride, pad, dilation, group):
     return y
 
 
-def caffe_pool_size(size, k, s, p, ceil):
+def caffe_pool_size(size, k, s, p, ceil, padded=None):
+    """Caffe's pooled size on one axis; `padded`: whether either axis has a pad (Caffe's
+    `pad_h_ || pad_w_`, which decides the drop on both axes), default this axis's."""
+    padded = p > 0 if padded is None else padded
     if ceil:
         out = int(math.ceil(float(size + 2 * p - k) / s)) + 1
     else:
         out = int(math.floor(float(size + 2 * p - k) / s)) + 1
-    if p > 0 and (out - 1) * s >= size + p:
+    if padded and (out - 1) * s >= size + p:
         out -= 1
     return out
 
@@ -52,8 +55,8 @@ def ref_pool(x, method, kernel, stride, pad, ceil=True):
     """Caffe's pooling_layer.cpp, loop for loop. Returns (y, argmax as window index)."""
     n, c, h, w = x.shape
     (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
-    oh = caffe_pool_size(h, kh, sh, ph, ceil)
-    ow = caffe_pool_size(w, kw, sw, pw, ceil)
+    oh = caffe_pool_size(h, kh, sh, ph, ceil, bool(ph or pw))
+    ow = caffe_pool_size(w, kw, sw, pw, ceil, bool(ph or pw))
     y = np.zeros((n, c, oh, ow))
     arg = np.full((n, c, oh, ow), -1)
     for b in range(n):
@@ -267,6 +270,10 @@ POOL_GEOMETRIES = [
     ("kernel_size: 4 stride: 2", (1, 1, 3, 4), (4, 4), (2, 2), (0, 0), True),          # kernel > input
     ("kernel_size: 1 stride: 2", (1, 2, 4, 5), (1, 1), (2, 2), (0, 0), True),          # empty windows
     ("kernel_size: 3 stride: 2 round_mode: FLOOR", (1, 2, 8, 8), (3, 3), (2, 2), (0, 0), False),  # rows unused
+    # a pad on one axis drops the other axis's last window when it starts past the input
+    ("kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 3 pad_h: 1 pad_w: 0", (2, 2, 6, 6), (3, 2), (2, 3), (1, 0), True),
+    ("kernel_h: 2 kernel_w: 3 stride_h: 3 stride_w: 2 pad_h: 0 pad_w: 1", (1, 2, 6, 6), (2, 3), (3, 2), (0, 1), True),
+    ("kernel_h: 1 kernel_w: 3 stride_h: 2 stride_w: 1 pad_h: 0 pad_w: 1", (1, 2, 5, 4), (1, 3), (2, 1), (0, 1), True),
 ]
 POOL_IDS = [g[0] for g in POOL_GEOMETRIES]
 
@@ -315,6 +322,18 @@ def test_pool_output_sizes_follow_caffe():
         layer = make_layer(pool_text(f"kernel_size: {k} stride: {s} pad: {p} round_mode: {mode}"),
                            [(1, 1, size, size)])
         assert layer.top_shapes[0] == (1, 1, expected, expected), (size, k, s, p, mode)
+
+
+def test_pool_pad_on_either_axis_drops_windows_on_both():
+    """Caffe's `if (pad_h_ || pad_w_)`: the issue's 6x6 input, kernel 3x2, stride 2x3, pad
+    1x0 gives 4x2 (the third column window would start at column 6, past the input)."""
+    layer = make_layer(pool_text("kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 3 pad_h: 1 pad_w: 0"),
+                       [(1, 1, 6, 6)])
+    assert layer.top_shapes[0] == (1, 1, 4, 2)
+    assert not layer.empty_windows
+    # no pad at all: the last window may lie in the overhang (Caffe's quirk), 6x6 -> 3x3
+    layer = make_layer(pool_text("kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 3"), [(1, 1, 6, 6)])
+    assert layer.top_shapes[0] == (1, 1, 3, 3)
 
 
 def test_pool_ave_divisor_counts_padding_not_overhang():

@@ -289,12 +289,101 @@ def test_lrn_gradients(shape, param):
     check_gradients(layer, [rng.standard_normal(shape)])
 
 
+def caffe_lrn_within_channel(x, size, alpha, beta):
+    """Caffe's WITHIN_CHANNEL chain in float64, loop for loop: square, AVE pooling (kernel
+    size, stride 1, pad (size-1)/2, CEIL sizes, divisor the window clipped to the padded
+    input), power (1 + alpha * pooled)^-beta, product with x."""
+    n, c, h, w = x.shape
+    pad = (size - 1) // 2
+    square = x * x
+    oh, ow = [int(np.ceil((d + 2 * pad - size) / 1.0)) + 1 for d in (h, w)]
+    if pad:     # Caffe's drop of a last window starting in the padding (never at stride 1)
+        oh, ow = [o - 1 if (o - 1) >= d + pad else o for o, d in ((oh, h), (ow, w))]
+    pooled = np.zeros((n, c, oh, ow))
+    for b in range(n):
+        for ch in range(c):
+            for i in range(oh):
+                for j in range(ow):
+                    hs, ws = i - pad, j - pad
+                    he, we = min(hs + size, h + pad), min(ws + size, w + pad)
+                    pool_size = (he - hs) * (we - ws)
+                    hs, ws, he, we = max(hs, 0), max(ws, 0), min(he, h), min(we, w)
+                    pooled[b, ch, i, j] = square[b, ch, hs:he, ws:we].sum() / pool_size
+    assert pooled.shape == x.shape
+    return x * (1.0 + alpha * pooled) ** -beta
+
+
+WITHIN_CASES = [
+    ("norm_region: WITHIN_CHANNEL", (2, 3, 5, 6), 5, 1.0, 0.75),
+    ("norm_region: WITHIN_CHANNEL local_size: 3 alpha: 5e-05 beta: 0.75", (2, 4, 8, 8), 3, 5e-5, 0.75),
+    ("norm_region: WITHIN_CHANNEL local_size: 3 alpha: 2 beta: 0.6 k: 7", (1, 2, 4, 3), 3, 2.0, 0.6),  # k unused
+    ("norm_region: WITHIN_CHANNEL local_size: 7 alpha: 1.5 beta: 1.2", (2, 2, 3, 5), 7, 1.5, 1.2),  # window > input
+    ("norm_region: WITHIN_CHANNEL local_size: 1 alpha: 0.5", (1, 3, 2, 2), 1, 0.5, 0.75),
+]
+
+
+@pytest.mark.parametrize("param,shape,size,alpha,beta", WITHIN_CASES)
+def test_lrn_within_channel_forward_matches_caffe(param, shape, size, alpha, beta):
+    x = np.random.default_rng(13).standard_normal(shape) * 2
+    layer = make_layer(lrn_text(param), [shape])
+    assert layer.keeps_bottoms == (0,) and layer.keeps_tops == () and layer.saved == {}
+    y = LayerRun(layer).forward([x])[0]
+    np.testing.assert_allclose(y, caffe_lrn_within_channel(x, size, alpha, beta), rtol=1e-12)
+
+
+@pytest.mark.parametrize("param,shape,size,alpha,beta", WITHIN_CASES)
+def test_lrn_within_channel_gradients(param, shape, size, alpha, beta):
+    layer = make_layer(lrn_text(param), [shape])
+    check_gradients(layer, [np.random.default_rng(14).standard_normal(shape)])
+
+
+@pytest.mark.parametrize("chunk_samples", [1, 2, 3])
+def test_lrn_within_channel_chunks_in_place(chunk_samples):
+    """Chunk-sized workspaces, y over x and gx over gy: the out-of-place bits, the same
+    workspace bytes as ACROSS_CHANNELS (the plan needs nothing more)."""
+    shape = (5, 3, 4, 5)
+    rng = np.random.default_rng(15)
+    x, gy = rng.standard_normal(shape), rng.standard_normal(shape)
+    text = lrn_text("norm_region: WITHIN_CHANNEL local_size: 3 alpha: 0.7 beta: 0.4")
+    layer = make_layer(text, [shape])
+    layer.chunk_bytes = chunk_samples * 3 * 4 * 5 * 8
+    assert layer.stream_chunk() == chunk_samples
+    across = make_layer(lrn_text("local_size: 3"), [shape])
+    across.chunk_bytes = layer.chunk_bytes
+    for phase in ("forward", "backward"):
+        assert layer.workspace(phase) == across.workspace(phase)
+    reference = LayerRun(make_layer(text, [shape]))
+    ref_y = reference.forward([x])[0]
+    ref_gx = reference.backward([gy])[0][0]
+    ws = {phase: {k: np.empty(d.shape) for k, d in layer.workspace(phase).items()} for phase in ("forward", "backward")}
+    inplace = x.copy()
+    layer.forward(np, [inplace], [inplace], [], {}, ws["forward"])
+    np.testing.assert_array_equal(inplace, ref_y)
+    grad = gy.copy()
+    layer.backward(np, [x], [None], [grad], [grad], [], [], {}, ws["backward"])
+    np.testing.assert_array_equal(grad, ref_gx)
+
+
+def test_lrn_within_channel_float32_agrees_with_float64():
+    shape = (2, 3, 6, 6)
+    rng = np.random.default_rng(16)
+    x, gy = rng.standard_normal(shape), rng.standard_normal(shape)
+    text = lrn_text("norm_region: WITHIN_CHANNEL local_size: 3 alpha: 0.5 beta: 0.75")
+    results = []
+    for dtype in (np.float64, np.float32):
+        run = LayerRun(make_layer(text, [shape], dtype=dtype))
+        y = run.forward([x.astype(dtype)])[0]
+        results.append((y, run.backward([gy.astype(dtype)])[0][0]))
+    for a64, a32 in zip(*results):
+        np.testing.assert_allclose(a32, a64, rtol=1e-5, atol=1e-6)
+
+
 # ---- parameter errors --------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,shapes", [
     (lrn_text("local_size: 4"), [(2, 6, 3, 3)]),
     (lrn_text("local_size: 0"), [(2, 6, 3, 3)]),
-    (lrn_text("norm_region: WITHIN_CHANNEL"), [(2, 6, 3, 3)]),
+    (lrn_text("norm_region: WITHIN_CHANNEL"), [(2, 6, 9)]),      # needs (N, C, H, W)
     (lrn_text(), [(6,)]),
     ('name: "sc" type: "Scale" bottom: "x" bottom: "s" top: "y"', [(2, 3, 4, 4), (3,)]),
     (scale_text("axis: 4"), [(2, 3, 4, 4)]),

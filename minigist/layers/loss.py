@@ -146,16 +146,18 @@ class SoftmaxWithLoss(_LabelLayer):
 
 @register
 class Accuracy(_LabelLayer):
-    """Fraction of predictions whose true class is among the top_k scores (no backward)."""
+    """Fraction of predictions with fewer than top_k other classes scoring at least the true
+    class's score, as Caffe counts (no backward)."""
     type = "Accuracy"
     param_field = "accuracy_param"
+    num_tops = (1, 2)      # a second top: Caffe's per-class accuracies (classes,)
 
     def setup(self, bottom_shapes):
         self.setup_labels(bottom_shapes, self.p.get("axis", 1))
         self.top_k = self.p.get("top_k", 1)
         if not 1 <= self.top_k <= self.classes:
             self.fail(f"top_k must be in [1, {self.classes}]")
-        return [()]
+        return [()] if len(self.spec.tops) == 1 else [(), (self.classes,)]
 
     @property
     def has_backward(self):
@@ -172,10 +174,27 @@ class Accuracy(_LabelLayer):
         labels = self.labels(xp, x[1])
         true_score, _, _, _ = self.gather(xp, scores3, labels)
         above = ws["above"].reshape(scores3.shape)
-        xp.greater(scores3, true_score[:, None, :], out=above)
-        correct = above.sum(axis=1) < self.top_k
+        # Caffe counts every class scoring >= the true class, the true class included (so
+        # ties count against the prediction, and a NaN true score, >= nothing, is a hit)
+        xp.greater_equal(scores3, true_score[:, None, :], out=above)
+        correct = above.sum(axis=1) <= self.top_k
         if self.ignore_label is None:
             y[0][...] = correct.mean()
         else:
             valid = labels != self.ignore_label
             y[0][...] = (correct & valid).sum() / max(1, int(valid.sum()))
+        if len(y) == 2:
+            self._per_class(xp, labels, correct, y[1])
+
+    def _per_class(self, xp, labels, correct, out):
+        """out[c] <- the hit rate of the samples labelled c (0 where there are none), ignored
+        labels left out, as Caffe's second top."""
+        safe = labels.reshape(-1)
+        counted = xp.ones(safe.shape, dtype=out.dtype)
+        if self.ignore_label is not None:
+            valid = safe != self.ignore_label
+            safe = xp.where(valid, safe, 0)
+            counted = valid.astype(out.dtype)
+        totals = xp.bincount(safe, weights=counted, minlength=self.classes)
+        hits = xp.bincount(safe, weights=counted * correct.reshape(-1), minlength=self.classes)
+        xp.divide(hits, xp.maximum(totals, 1), out=out, casting="unsafe")

@@ -36,17 +36,20 @@ def _channel_sums(xp, values, out, ones, rows):
     xp.sum(rows[:b], axis=0, out=out)
 
 
-def _window_sum(xp, src, dst, half):
-    """dst[:, c] = sum of src[:, c - half .. c + half] over the channel axis (clipped).
+def _window_sum(xp, src, dst, half, axis=1):
+    """dst[..., i, ...] = sum of src[..., i - half .. i + half, ...] along `axis` (clipped:
+    zero padding).
 
-    src and dst are distinct (N, C, S) arrays; one pass per offset, no temporaries.
+    src and dst are distinct arrays of one shape; one pass per offset, no temporaries.
     """
-    channels = src.shape[1]
+    length = src.shape[axis]
+    lead = (slice(None),) * axis
     xp.copyto(dst, src)
-    for d in range(1, min(half, channels - 1) + 1):
-        low, high = dst[:, :channels - d], dst[:, d:]
-        xp.add(low, src[:, d:], out=low)
-        xp.add(high, src[:, :channels - d], out=high)
+    for d in range(1, min(half, length - 1) + 1):
+        head, tail = lead + (slice(None, length - d),), lead + (slice(d, None),)
+        low, high = dst[head], dst[tail]
+        xp.add(low, src[tail], out=low)
+        xp.add(high, src[head], out=high)
 
 
 @register
@@ -394,15 +397,21 @@ class Scale(Layer):
 
 @register
 class LRN(Layer):
-    """Caffe's LRN across channels: scale = k + alpha/n * sum of x^2 over the n channels
-    centred on c (clipped at the edges), y = x * scale^-beta.
+    """Caffe's LRN. ACROSS_CHANNELS: scale = k + alpha/n * sum of x^2 over the n channels
+    centred on c (clipped at the edges). WITHIN_CHANNEL (4-D inputs): scale = 1 + alpha/n^2 *
+    sum of x^2 over the n x n spatial window centred on (h, w) in its own channel, zero-padded
+    by (n - 1)/2 (Caffe's AVE pooling of x^2 with that pad and stride 1, whose divisor is n^2
+    at every output, then a power layer with shift 1: k plays no part). Both: y = x *
+    scale^-beta.
 
-    Caffe stashes x, y and scale for the backward pass (three input-sized tensors). Here the
-    backward keeps x alone and recomputes scale from it, a few samples at a time: the window
-    sum is cheap next to the power that both versions compute in backward. Both passes work
-    in batch chunks with chunk-sized workspaces, so y may overwrite x and gx may overwrite gy
-    (every chunk is read into the workspaces before its output is written), and a Gist stash
-    of x can be decoded one chunk at a time (`stream_chunk`)."""
+    Caffe stashes x, y and scale for the backward pass (three input-sized tensors; its
+    WITHIN_CHANNEL split/square/pool/power/product chain keeps more). Here the backward keeps
+    x alone and recomputes scale from it, a few samples at a time: the window sum is cheap
+    next to the power that both versions compute in backward. Both passes work in batch
+    chunks with chunk-sized workspaces, so y may overwrite x and gx may overwrite gy (every
+    chunk is read into the workspaces before its output is written), and a Gist stash of x
+    can be decoded one chunk at a time (`stream_chunk`). The spatial window is summed
+    separably (rows, then columns) through the same workspaces."""
     type = "LRN"
     param_field = "lrn_param"
     chunk_bytes = 4 << 20       # target size of one chunk-sized workspace
@@ -410,8 +419,9 @@ class LRN(Layer):
     def setup(self, bottom_shapes):
         p = self.p
         shape = tuple(bottom_shapes[0])
-        if p.get("norm_region", "ACROSS_CHANNELS") != "ACROSS_CHANNELS":
-            self.fail(f"norm_region {p.get('norm_region')} is not supported (only ACROSS_CHANNELS)")
+        self.region = p.get("norm_region", "ACROSS_CHANNELS")
+        if self.region not in ("ACROSS_CHANNELS", "WITHIN_CHANNEL"):
+            self.fail(f"norm_region {self.region} is not supported (ACROSS_CHANNELS or WITHIN_CHANNEL)")
         self.size = int(p.get("local_size", 5))
         if self.size % 2 != 1:
             self.fail(f"local_size must be odd, got {self.size}")
@@ -420,7 +430,14 @@ class LRN(Layer):
         self.k = float(p.get("k", 1.0))
         if len(shape) < 2:
             self.fail(f"needs an input with a channel axis (N, C, ...), got shape {shape}")
+        self.within = self.region == "WITHIN_CHANNEL"
+        if self.within and len(shape) != 4:
+            self.fail(f"WITHIN_CHANNEL needs a 4-D (N, C, H, W) input, got shape {shape}")
+        # the window's element count and the added constant of scale
+        self.count = self.size ** 2 if self.within else self.size
+        self.shift = 1.0 if self.within else self.k
         self.shape3 = _shape3(shape)
+        self.sample_shape = shape[1:]
         self.keeps_bottoms = (0,)
         return [shape]
 
@@ -439,16 +456,29 @@ class LRN(Layer):
         names = ("square", "scale") if phase == "forward" else ("scale", "ratio", "power")
         return {name: TensorDecl(chunk) for name in names}
 
-    def _scale(self, xp, xc, square, scale):
-        """scale[:b] <- k + alpha/n * window sum of xc^2 for the chunk xc (b, C, S); square is
-        scratch of the same size."""
+    def _neighbour_sum(self, xp, src, dst, scratch):
+        """dst <- the window sum of src (b, C, S); scratch (WITHIN_CHANNEL: the row sums) is
+        distinct from both; dst may be src for WITHIN_CHANNEL, must not be for ACROSS."""
+        half = (self.size - 1) // 2
+        if not self.within:
+            _window_sum(xp, src, dst, half)
+            return
+        grid = (src.shape[0],) + self.sample_shape
+        rows = scratch.reshape(grid)
+        _window_sum(xp, src.reshape(grid), rows, half, axis=2)
+        _window_sum(xp, rows, dst.reshape(grid), half, axis=3)
+
+    def _scale(self, xp, xc, first, second):
+        """The chunk's scale = shift + alpha/count * window sum of xc^2, in first[:b] or
+        second[:b] (returned; the other one is left free); both are chunk-sized scratch."""
         b = xc.shape[0]
-        square, scale = square[:b], scale[:b]
-        xp.multiply(xc, xc, out=square)
-        _window_sum(xp, square, scale, (self.size - 1) // 2)
-        xp.multiply(scale, self.alpha / self.size, out=scale)
-        xp.add(scale, self.k, out=scale)
-        return scale
+        first, second = first[:b], second[:b]
+        xp.multiply(xc, xc, out=first)
+        scale = first if self.within else second
+        self._neighbour_sum(xp, first, scale, second)
+        xp.multiply(scale, self.alpha / self.count, out=scale)
+        xp.add(scale, self.shift, out=scale)
+        return scale, (second if scale is first else first)
 
     def forward(self, xp, x, y, p, saved, ws):
         n = self.shape3[0]
@@ -457,7 +487,7 @@ class LRN(Layer):
         x3 = x[0].reshape(self.shape3)
         for n0 in range(0, n, chunk):
             xc = x3[n0:n0 + chunk]
-            scale = self._scale(xp, xc, ws["square"], ws["scale"])
+            scale, _ = self._scale(xp, xc, ws["square"], ws["scale"])
             xp.power(scale, -self.beta, out=scale)
             xp.multiply(xc, scale, out=y3[n0:n0 + chunk])
 
@@ -468,19 +498,20 @@ class LRN(Layer):
         chunk = ws["scale"].shape[0]
         gy3 = gy[0].reshape(self.shape3)
         gx3 = gx[0].reshape(self.shape3)
-        factor = -2.0 * self.alpha * self.beta / self.size
+        factor = -2.0 * self.alpha * self.beta / self.count
         for n0 in range(0, n, chunk):
             xc = x[0][n0:n0 + chunk].reshape((-1, c, inner))     # x may be a chunk-wise decoded stash
             b = xc.shape[0]
-            scale = self._scale(xp, xc, ws["ratio"], ws["scale"])    # ratio: scratch until used below
-            ratio, power = ws["ratio"][:b], ws["power"][:b]
-            # gx = gy * scale^-beta - 2 alpha beta / n * x * window_sum(gy * scale^-beta * x / scale)
+            scale, ratio = self._scale(xp, xc, ws["ratio"], ws["scale"])
+            power = ws["power"][:b]
+            # gx = gy * scale^-beta - 2 alpha beta / count * x * window_sum(gy * scale^-beta * x / scale)
+            # (the window is symmetric and zero-padded, so its sum is its own transpose)
             xp.power(scale, -self.beta, out=power)
             xp.multiply(power, gy3[n0:n0 + b], out=power)
             xp.multiply(power, xc, out=ratio)
             xp.divide(ratio, scale, out=ratio)
             gxc = gx3[n0:n0 + b]          # may be gy's bytes: the chunk of gy is used up above
-            _window_sum(xp, ratio, gxc, (self.size - 1) // 2)
+            self._neighbour_sum(xp, ratio, gxc, scale)          # scale is free by now
             xp.multiply(gxc, xc, out=gxc)
             xp.multiply(gxc, factor, out=gxc)
             xp.add(gxc, power, out=gxc)

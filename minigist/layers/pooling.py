@@ -99,8 +99,10 @@ class Pooling(Layer):
                 o = -((k - size - 2 * pd) // s) + 1     # ceil((size + 2p - k) / s) + 1
             else:
                 o = (size + 2 * pd - k) // s + 1
-            if pd > 0 and (o - 1) * s >= size + pd:
-                o -= 1      # the last window must start inside the input or its top/left pad
+            if (ph, pw) != (0, 0) and (o - 1) * s >= size + pd:
+                # the last window must start inside the input or its top/left pad; Caffe
+                # applies this on both axes as soon as either has a pad
+                o -= 1
             if o < 1:
                 self.fail(f"kernel {k} is larger than the padded input size {size + 2 * pd}")
             out.append(o)

@@ -97,10 +97,16 @@ class Eltwise(Layer):
             for bottom in x[2:]:
                 out *= bottom
             return
+        # Caffe's order: bottom 0 wins over bottom 1 only when strictly greater (a tie, or a
+        # NaN on either side, goes to bottom 1), then each later bottom wins only when
+        # strictly greater than the running maximum (a tie stays)
         argmax, mask = saved["argmax"], ws["mask"]
-        xp.copyto(out, x[0])
-        argmax.fill(0)
-        for i, bottom in enumerate(x[1:], start=1):
+        xp.greater(x[0], x[1], out=mask)
+        xp.copyto(out, x[1])
+        xp.copyto(out, x[0], where=mask)
+        argmax.fill(1)
+        xp.copyto(argmax, 0, where=mask)
+        for i, bottom in enumerate(x[2:], start=2):
             xp.greater(bottom, out, out=mask)
             xp.copyto(out, bottom, where=mask)
             xp.copyto(argmax, i, where=mask)
