@@ -494,3 +494,25 @@ def test_conv_auto_names_and_records_the_engine_it_chose(tiny, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"{minigist.default_threads('onednn')} OpenMP thread" in resumed.stdout
     one_line_error(run_cli("--checkpoint", tmp_path / "b", "--resume", "--conv", "im2col"), "--conv")
+
+
+# ---- calibration and random streams -------------------------------------------------------
+def test_lossless_trains_bit_for_bit_like_none_on_a_net_with_dropout(tiny, tmp_path):
+    """Calibration (lossless measures SSDC's densities on a few batches first) leaves every
+    random stream as it found it: Dropout's masks, and so the losses and the weights, are those
+    of --gist none."""
+    runs = {}
+    for gist in ("none", "lossless"):
+        log, folder = tmp_path / f"{gist}.jsonl", tmp_path / gist
+        result = run_cli("--model", tiny, "--data", "synthetic", "--holdout", 0.02, "--train-eval-size", 0,
+                         "--eval-every", 0, "--iters", 6, "--gist", gist, "--conv", "im2col",
+                         "--log", log, "--checkpoint", folder)
+        assert result.returncode == 0, result.stderr
+        losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()
+                  if json.loads(line)["event"] == "iter"]
+        runs[gist] = losses, final_weights(folder)
+    (losses_none, weights_none), (losses_lossless, weights_lossless) = runs["none"], runs["lossless"]
+    assert len(losses_none) == 6 and losses_none == losses_lossless
+    assert weights_none.keys() == weights_lossless.keys()
+    for key in weights_none:
+        assert np.array_equal(weights_none[key], weights_lossless[key]), key
