@@ -60,6 +60,7 @@ import minigist  # noqa: E402  (after the path tweak, so a checkout runs without
 from minigist import blas, datasets, jit, onednn  # noqa: E402
 from minigist.codecs import kernels as codec_kernels  # noqa: E402
 from minigist.codecs import DPR_FORMATS, GIST_MODES, GistConfig  # noqa: E402
+from minigist.densities import MARGIN, planned, read_densities  # noqa: E402
 from minigist.checkpoint import arrays_digest, check_fields, model_change, model_definition, read_npz  # noqa: E402
 from minigist.errors import MemoryBudgetError, MinigistError  # noqa: E402
 from minigist.gist import apply_gist  # noqa: E402
@@ -70,6 +71,7 @@ from minigist.net import (MAX_DEFAULT_THREADS, UPDATES, default_threads, plan_fo
                           resolve_conv, save_npz_atomic, set_conv_engine)
 
 MODELS_DIR = os.path.join(HERE, "models")
+DENSITIES_DIR = os.path.join(MODELS_DIR, "densities")
 DEFAULT_MODEL = "resnet20"
 DEFAULT_DATA = "mnist5k"
 DEFAULT_EPOCHS = 5
@@ -324,6 +326,12 @@ def make_parser():
                             "as Caffe does; every gradient is live at once). Same weights bit for bit")
     group.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                        help="fail before training if it needs more memory than SIZE (e.g. 2GiB, 512MB)")
+    group.add_argument("--densities", default="auto", metavar="auto|none|FILE",
+                       help="the SSDC densities a --plan-only plan assumes under --gist lossless/all (a plan "
+                            "from shapes alone cannot see data): auto (the default) takes the bundled "
+                            "measurement models/densities/NAME.json of a bundled model at its input size, "
+                            "none plans SSDC nowhere, FILE is a measurement of yours "
+                            "(tools/measure_densities.py writes one). Training measures them itself")
     group.add_argument("--plan-only", action="store_true",
                        help="print the footprint report from shapes alone (nothing is allocated or run), "
                             "write --report-json/--plot/--trace if asked, then exit")
@@ -865,10 +873,12 @@ def gist_kwargs(args):
 
 
 def plan_for(path, args, alloc=None, gist=None):
-    """The footprint report from shapes alone."""
+    """The footprint report from shapes alone, SSDC planned from the densities settled by
+    `choose_densities` (none where it found none)."""
     return plan_footprint(path, args.batch_size, args.input_size, alloc or args.alloc,
                           gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update,
-                          conv=args.conv, add_loss=args.add_loss, input_channels=args.input_channels)
+                          conv=args.conv, add_loss=args.add_loss, input_channels=args.input_channels,
+                          ssdc_density=getattr(args, "ssdc_density", None))
 
 
 def shapes_only_plan(path, args):
@@ -878,8 +888,41 @@ def shapes_only_plan(path, args):
                                  input_channels=args.input_channels)
     set_conv_engine([graph], args.conv)
     program = minigist.build_program(graph, train=True, fused_update=args.update == "fused")
-    program = apply_gist(program, GistConfig(args.gist, args.dpr))
+    program = apply_gist(program, GistConfig(args.gist, args.dpr, ssdc_density=getattr(args, "ssdc_density", None)))
     return MemoryPlan(program, args.alloc)
+
+
+def choose_densities(path, args):
+    """Settle the SSDC densities a plan from shapes alone assumes (--densities): a file, none,
+    or (auto) the bundled measurement models/densities/NAME.json of a bundled model when it was
+    made at this input size. Sets args.ssdc_density; returns (source, the line to print)."""
+    args.ssdc_density = None
+    if args.gist not in ("lossless", "all"):
+        return None, None
+    graph = minigist.build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
+                                 input_channels=args.input_channels)
+    choice, source = args.densities, None
+    if choice == "auto":
+        bundled = os.path.join(DENSITIES_DIR, os.path.splitext(os.path.basename(path))[0] + ".json")
+        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(MODELS_DIR) and os.path.isfile(bundled):
+            with open(bundled, encoding="utf-8") as handle:
+                stated = json.load(handle).get("input_size")
+            if stated == graph.input_shape[-1]:
+                source = bundled
+            else:
+                why = f"the bundled measurement is for input size {stated}, not {graph.input_shape[-1]}"
+        else:
+            why = "no measurement is bundled for this model"
+    elif choice != "none":
+        source = choice
+    if source is None:
+        reason = why if choice == "auto" else "--densities none"
+        return None, (f"densities: none ({reason}): SSDC is planned nowhere, so this plan keeps those maps in "
+                      f"another encoding; train.py measures them when it trains, or pass --densities FILE")
+    measured = read_densities(source, graph)
+    args.ssdc_density = planned(measured)
+    return source, (f"densities: {source} ({len(measured)} tensors measured; SSDC planned "
+                    f"{MARGIN:.0%} above the densest sample)")
 
 
 def write_visuals(args, plan, report):
@@ -958,8 +1001,10 @@ def run(args, given):
         print(minigist.summary(graph))
         return 0
     if args.plan_only:
+        densities_source, densities_line = choose_densities(path, args)
         report = plan_for(path, args)
         report["model"] = args.model
+        report["densities"] = densities_source
         if args.memory_budget is not None and report["footprint_bytes"] > args.memory_budget:
             try:        # the same check as a training run's, with its largest buffers
                 shapes_only_plan(path, args).check_budget(args.memory_budget)
@@ -968,6 +1013,8 @@ def run(args, given):
             raise MinigistError(f"--memory-budget: the {args.alloc} plan needs {report['footprint_bytes']:,} "
                                 f"bytes, the budget allows {args.memory_budget:,} bytes")
         print(format_report(report))
+        if densities_line:
+            print(densities_line)
         if args.report_json:
             write_json(report, args.report_json)
         if args.plot or args.trace:
@@ -1047,10 +1094,12 @@ def run(args, given):
             raise MinigistError(f"--resume: {checkpoint_path(args.checkpoint)} is damaged: its epoch position "
                                 f"({meta['batch_in_epoch']} batches) does not fit this data's epochs")
     # Gist's sparse encodings plan their size from a few measured batches (before any state is restored)
+    measured_densities = None
     if calibrates:
         calib_rng = np.random.default_rng(args.seed + 7919)
         picks = [data.epoch_batch(calib_rng.permutation(len(data.train)), 0, batch) for _ in range(3)]
-        net.calibrate([data.train_batch(p, calib_rng) for p in picks])
+        net.calibrate([data.train_batch(p, calib_rng) for p in picks], margin=MARGIN)
+        measured_densities = f"measured on {len(picks)} training batches"
     if calibrates and args.memory_budget is not None:
         net.set_memory_budget(args.memory_budget)
     if resumed is not None:
@@ -1070,6 +1119,7 @@ def run(args, given):
 
     report = net.report()
     report["model"] = args.model
+    report["densities"] = measured_densities
     config = {key: getattr(args, key, None) for key in RESUME_KEYS}
     config.update(epochs=args.epochs, iters=args.iters, alloc=args.alloc, device=args.device)
     print(f"model {args.model}: {graph.param_count():,} parameters, batch {(batch,) + tuple(graph.input_shape)}, "
@@ -1082,6 +1132,8 @@ def run(args, given):
         print(line)
     if args.gist != "none":
         print(f"codecs: {codec_kernels.describe(net.xp)}")
+    if measured_densities:
+        print(f"densities: {measured_densities} (SSDC planned {MARGIN:.0%} above the densest sample)")
     schedule = f" x{args.lr_gamma:g} every {args.lr_step:g} epochs" if args.lr_step else ""
     schedule += f", warm-up {args.warmup} iterations" if args.warmup else ""
     print(f"data {data.describe()}; crop pad {args.crop_pad}, flip {args.flip}; {total} iterations "
@@ -1190,6 +1242,7 @@ def run(args, given):
         last_eval = evaluate(net, data, data.heldout, eval_batch, names)
     report = net.report()
     report["model"] = args.model
+    report["densities"] = measured_densities
     report["training"] = {"iterations": iteration, "epochs": round(iteration / ipe, 3), "seconds": round(elapsed, 2),
                           "train_images_per_s": round(train_images / max(train_seconds, 1e-9), 2),
                           "heldout": last_eval, "data": data.describe()}

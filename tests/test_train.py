@@ -508,6 +508,7 @@ def test_lossless_trains_bit_for_bit_like_none_on_a_net_with_dropout(tiny, tmp_p
                          "--eval-every", 0, "--iters", 6, "--gist", gist, "--conv", "im2col",
                          "--log", log, "--checkpoint", folder)
         assert result.returncode == 0, result.stderr
+        assert ("densities: measured on 3 training batches" in result.stdout) == (gist == "lossless")
         losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()
                   if json.loads(line)["event"] == "iter"]
         runs[gist] = losses, final_weights(folder)
@@ -516,3 +517,53 @@ def test_lossless_trains_bit_for_bit_like_none_on_a_net_with_dropout(tiny, tmp_p
     assert weights_none.keys() == weights_lossless.keys()
     for key in weights_none:
         assert np.array_equal(weights_none[key], weights_lossless[key]), key
+
+
+# ---- the densities a plan from shapes alone assumes ----------------------------------------
+def _plan_report(tmp_path, capsys, *argv):
+    report_path = tmp_path / "plan.json"
+    assert train.main(["--plan-only", "--conv", "im2col", "--report-json", str(report_path), *map(str, argv)]) == 0
+    return json.loads(report_path.read_text()), capsys.readouterr().out
+
+
+def test_plan_only_takes_the_bundled_densities_as_the_gist_table_does(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gist_table
+    bundled = os.path.join(ROOT, "models", "densities", "googlenet.json")
+    report, out = _plan_report(tmp_path, capsys, "--model", "googlenet", "--batch-size", 64, "--gist", "all")
+    table = minigist.net.plan_footprint(os.path.join(ROOT, "models", "googlenet.prototxt"), batch_size=64,
+                                        gist="all", ssdc_density=gist_table.densities("googlenet"),
+                                        update="fused", conv="im2col")
+    assert report["footprint_bytes"] == table["footprint_bytes"] == 603_235_328
+    assert report["densities"] == bundled and f"densities: {bundled} (44 tensors measured" in out
+    report, out = _plan_report(tmp_path, capsys, "--model", "googlenet", "--batch-size", 64, "--gist", "all",
+                               "--densities", "none")
+    assert report["footprint_bytes"] == minigist.net.plan_footprint(
+        os.path.join(ROOT, "models", "googlenet.prototxt"), batch_size=64, gist="all", update="fused",
+        conv="im2col")["footprint_bytes"] == 693_209_600
+    assert report["densities"] is None and "densities: none (--densities none)" in out
+    # another input size than the measurement's: none, and the line says why
+    report, out = _plan_report(tmp_path, capsys, "--model", "googlenet", "--batch-size", 2, "--gist", "lossless",
+                               "--input-size", 192)
+    assert report["densities"] is None and "for input size 224, not 192" in out
+    # a file of the user's is read as it is
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"input_size": 224, "density": {"inception_3a/output": 0.5}}))
+    report, out = _plan_report(tmp_path, capsys, "--model", "googlenet", "--batch-size", 2, "--gist", "lossless",
+                               "--densities", mine)
+    assert report["densities"] == str(mine) and "(1 tensors measured" in out
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", "is not JSON"),
+    ('{"density": [1, 2]}', 'no "density" object'),
+    ('{"density": {"no_such_blob": 0.5}}', "'no_such_blob', which is no blob of"),
+    ('{"density": {"inception_3a/output": 1.5}}', "not a fraction"),
+    ('{"input_size": 299, "density": {}}', "measured at input size 299, this plan's is 224"),
+])
+def test_a_bad_densities_file_is_one_line_naming_it(content, words, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    line = one_line_error(run_cli("--plan-only", "--model", "googlenet", "--batch-size", 2, "--gist", "all",
+                                  "--densities", bad), "--densities", words)
+    assert str(bad) in line

@@ -46,7 +46,7 @@ def measure(name, batch_size=4, count=2):
     densities = net.calibrate(digit_batches(size, batch_size, count), margin=0.0)
     print(f"{name}: {len(densities)} tensors, mean density {np.mean(list(densities.values())):.3f}, "
           f"{time.perf_counter() - start:.1f} s", flush=True)
-    return {"model": name, "batch_size": batch_size, "batches": count,
+    return {"model": name, "batch_size": batch_size, "batches": count, "input_size": int(size),
             "data": "mnist5k digits resized to the input size, 3 channels, normalized",
             "weights": "Caffe fillers of the model file, seed 0 (untrained)",
             "density": {k: round(v, 6) for k, v in sorted(densities.items())}}
