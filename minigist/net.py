@@ -311,8 +311,9 @@ class Net:
                  "update": self.update, "conv": self.conv}
         if self.train_graph.added_loss:
             extra["added_loss"] = self.train_graph.added_loss
-        return footprint_report(self.plans["train"], model=self.model,
-                                parameters=self.train_graph.param_count(), extra=extra)
+        report = footprint_report(self.plans["train"], model=self.model,
+                                  parameters=self.train_graph.param_count(), extra=extra)
+        return with_evaluation(report, self.plans["train"], self.plans["eval"], self.graphs["TEST"])
 
     # ---- parameters ---------------------------------------------------------------------
     def params(self):
@@ -516,5 +517,19 @@ def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtyp
              "conv": conv}
     if graph.added_loss:
         extra["added_loss"] = graph.added_loss
-    return footprint_report(MemoryPlan(program, alloc), model=str(model), parameters=graph.param_count(),
-                            extra=extra)
+    plan = MemoryPlan(program, alloc)
+    report = footprint_report(plan, model=str(model), parameters=graph.param_count(), extra=extra)
+    test_graph = build_graph(model, "TEST", batch_size, input_size, dtype, add_loss=add_loss,
+                             input_channels=input_channels)
+    set_conv_engine([test_graph], conv, np, dtype)
+    return with_evaluation(report, plan, MemoryPlan(build_program(test_graph, train=False), alloc), test_graph)
+
+
+def with_evaluation(report, train_plan, eval_plan, test_graph):
+    """The report with the evaluation program's part: the TEST phase runs at its own batch size
+    (a Caffe file may give TEST another one than TRAIN) in the arena's per-iteration part, which
+    the two programs share, so the arena holds the larger of the two."""
+    report["evaluation"] = {"batch_size": test_graph.batch_size, "transient_bytes": eval_plan.transient_bytes}
+    report["footprint_with_evaluation_bytes"] = (report["footprint_bytes"]
+                                                 + max(0, eval_plan.transient_bytes - train_plan.transient_bytes))
+    return report

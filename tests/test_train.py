@@ -567,3 +567,56 @@ def test_a_bad_densities_file_is_one_line_naming_it(content, words, tmp_path):
     line = one_line_error(run_cli("--plan-only", "--model", "googlenet", "--batch-size", 2, "--gist", "all",
                                   "--densities", bad), "--densities", words)
     assert str(bad) in line
+
+
+# ---- a TEST phase with its own batch size -------------------------------------------------
+PHASE_BATCHES = """
+name: "phase_batches"
+layer { name: "data" type: "Input" top: "data" top: "label" include { phase: TRAIN }
+  input_param { shape { dim: 2 dim: 1 dim: 8 dim: 8 } shape { dim: 2 } } }
+layer { name: "data" type: "Input" top: "data" top: "label" include { phase: TEST }
+  input_param { shape { dim: 7 dim: 1 dim: 8 dim: 8 } shape { dim: 7 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "fc" type: "InnerProduct" bottom: "conv" top: "fc"
+  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "fc" bottom: "label" top: "acc" include { phase: TEST } }
+"""
+
+
+def test_evaluation_runs_at_the_test_batch_counting_a_padded_last_batch_exactly(tmp_path):
+    path = tmp_path / "phase_batches.prototxt"
+    path.write_text(PHASE_BATCHES)
+    net = minigist.Net(str(path), alloc="static", conv="im2col")
+    assert net.graphs["TEST"].batch_size == 7 and net.train_graph.batch_size == 2
+    data = minigist.datasets.load_dataset("synthetic", (1, 8, 8), 3, holdout=0.2, synthetic_size=120)
+    heldout = data.heldout          # 24 images: three batches of 7 and a padded one of 3
+    assert len(heldout) % 7
+    names = train._output_names(net)
+    batched = train.evaluate(net, data, heldout, 7, names)
+    # the reference: each image alone, through a TEST net of batch 1 with the same weights
+    single = minigist.Net(str(path), batch_size=1, alloc="static", conv="im2col")
+    single.restore(net.state())
+    correct, loss = 0, 0.0
+    for images, labels, real in data.eval_batches(heldout, 1):
+        outputs = single.evaluate(images, labels)
+        correct += int(outputs["acc"])
+        loss += float(outputs["loss"])
+    assert batched["samples"] == len(heldout) and batched["correct"] == correct
+    assert batched["loss"] == pytest.approx(loss / len(heldout), rel=1e-6)
+    # the arena holds the larger of training's and evaluation's per-iteration parts, and the
+    # report, the plan from shapes alone and the arena agree on it to the byte
+    report = net.report()
+    assert report["evaluation"]["batch_size"] == 7
+    assert report["footprint_with_evaluation_bytes"] > report["footprint_bytes"]
+    assert report["footprint_with_evaluation_bytes"] == net.arena_bytes
+    planned = minigist.net.plan_footprint(str(path), alloc="static", conv="im2col")
+    assert planned["footprint_with_evaluation_bytes"] == net.arena_bytes
+    assert planned["footprint_bytes"] == report["footprint_bytes"]
+    assert "evaluation at batch 7 needs more than training" in minigist.memory.report.format_report(
+        dict(report, model="phase_batches"))
+    # --batch-size sets both phases, as Caffe's own batch override would
+    both = minigist.net.plan_footprint(str(path), batch_size=5, alloc="static", conv="im2col")
+    assert both["evaluation"]["batch_size"] == both["batch_size"] == 5

@@ -144,6 +144,11 @@ def format_report(report):
                      f"inference plan (add_loss=True, train.py --add-loss, appends a SoftmaxWithLoss)")
     if report.get("added_loss"):
         lines.append(f"  added loss: {report['added_loss']}")
+    if report.get("footprint_with_evaluation_bytes", 0) > report["footprint_bytes"]:
+        evaluation = report["evaluation"]
+        lines.append(f"  evaluation at batch {evaluation['batch_size']} needs more than training: "
+                     f"{report['footprint_with_evaluation_bytes']:,} B "
+                     f"({_mib(report['footprint_with_evaluation_bytes'])}) with it")
     lines += [f"  footprint        {report['footprint_bytes']:>16,} B  ({_mib(report['footprint_bytes'])})",
              f"  live peak        {report['live_peak_bytes']:>16,} B  at step {report['peak_step']} "
              f"({report['peak_step_label']})",
