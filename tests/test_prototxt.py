@@ -980,7 +980,7 @@ def test_accuracy_is_not_a_loss_layer_and_still_needs_its_top():
         layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 2 } } }
         layer { name: "acc" type: "Accuracy" bottom: "data" bottom: "label" }
     '''
-    with pytest.raises(ModelFileError, match=r"t.prototxt:5: .*'acc' \(Accuracy\) gives 1 top\(s\), got 0"):
+    with pytest.raises(ModelFileError, match=r"t.prototxt:5: .*'acc' \(Accuracy\) gives 1 to 2 top\(s\), got 0"):
         build_graph(net(body), path="t.prototxt")
 
 
