@@ -24,6 +24,7 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+import isa  # noqa: E402
 import minigist  # noqa: E402
 from minigist.codecs import kernels  # noqa: E402
 from minigist import blas, onednn  # noqa: E402
@@ -54,10 +55,11 @@ def main():
     parser.add_argument("--models", default="vgg_small,resnet20,inception_small")
     parser.add_argument("--conv", default="im2col", choices=list(minigist.CONV_ENGINES),
                         help="the convolution engine of every net (default im2col)")
+    isa.add_argument(parser)
     args = parser.parse_args()
+    isa.rerun_if_emulating(args.isa)
     rng = np.random.default_rng(0)
-    print("codecs: " + (f"compiled kernels (numba {kernels.numba.__version__})" if kernels.available()
-                        else "ufunc path (numba not installed)") + f"; convolutions: {args.conv}")
+    print(f"codecs: {kernels.describe()}; convolutions: {args.conv}; instruction set: {isa.describe()}")
     rate_before = copy_rate()
     print(f"| model (batch {args.batch_size}) | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in CONFIGS) + " |")
     print("|---|" + "---:|" * len(CONFIGS))

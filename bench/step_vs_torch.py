@@ -68,6 +68,7 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+import isa  # noqa: E402
 import minigist  # noqa: E402
 from minigist import blas, onednn  # noqa: E402
 from minigist.codecs import kernels  # noqa: E402
@@ -586,7 +587,9 @@ def main():
     parser.add_argument("--no-gist", action="store_true", help="skip the Gist-mode timings")
     parser.add_argument("--float64-steps", type=int, default=4,
                         help="untimed float64 steps on both sides to check the semantics (0: skip)")
+    isa.add_argument(parser)
     args = parser.parse_args()
+    isa.rerun_if_emulating(args.isa)
     if args.blas_threads is None:
         args.blas_threads = args.threads
     if args.conv is None:
@@ -617,7 +620,7 @@ def main():
     gemm, tgemm, load = gemm_rates(), torch_gemm_rates(), os.getloadavg()[0]
     print("command: python bench/step_vs_torch.py " + " ".join(sys.argv[1:]))
     print(f"machine: {os.cpu_count()} CPUs; numpy {np.__version__}, BLAS: {blas.describe()}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; instruction set: {isa.describe()}")
     print(f"minigist convolution engines: {', '.join(args.conv)}"
           + (f"; {onednn.describe()}, OpenMP threads: {onednn.max_threads()}, "
              "numpy's BLAS on 1 thread during its steps" if "onednn" in args.conv else ""))
@@ -684,8 +687,7 @@ def main():
     print("float64: the im2col engine (oneDNN's CPU kernels have no float64)")
     if gist:
         print()
-        print("codecs: " + (f"compiled kernels (numba {kernels.numba.__version__})" if kernels.available()
-                            else "ufunc path (numba not installed)"))
+        print(f"codecs: {kernels.describe()}")
         print("| model | conv | " + " | ".join(f"{label} s/step (ratio)" for label, _, _ in gist_configs())
               + " | SSDC fallbacks | others |")
         print("|---|---|" + "---:|" * len(gist_configs()) + "---:|---:|")

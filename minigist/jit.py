@@ -101,13 +101,43 @@ def use_kernels(on):
         set_kernels(previous)
 
 
-def _host_has(*features):
-    """Whether numba compiles for this host and its CPU has every one of `features`."""
+def target_features():
+    """The CPU features numba compiles for, as a set of LLVM feature names: the host's, or
+    exactly the '+name' entries of NUMBA_CPU_FEATURES where that is set (numba's own rule:
+    NUMBA_CPU_NAME alone keeps the host's features, NUMBA_CPU_NAME=generic has none)."""
     if numba is None:
-        return False
+        return frozenset()
+    if numba.config.CPU_FEATURES is not None:
+        return frozenset(f[1:] for f in numba.config.CPU_FEATURES.split(",") if f.startswith("+"))
+    from llvmlite import binding
+    return frozenset(name for name, on in binding.get_host_cpu_features().items() if on)
+
+
+def _host_has(*features):
+    """Whether the CPU numba compiles for has every one of `features`: the kernels choose
+    their instructions by this, so that an emulated target (avx2_environment) gets the
+    forms its CPU would."""
+    return all(f in target_features() for f in features)
+
+
+# LLVM's names of the features an AVX2-only x86-64 CPU lacks (AVX-512 and its successors)
+_AFTER_AVX2 = ("avx512", "evex512", "avx10", "amx")
+
+
+def avx2_environment():
+    """The environment that makes this process's libraries run as on a CPU with AVX2 but no
+    AVX-512 (for tests and benchmarks on an AVX-512 machine): numba compiles for Haswell with
+    the host's features less AVX-512's, oneDNN and torch's kernels stop at AVX2, numpy's
+    OpenBLAS runs its Haswell kernels. Read when each library starts, so it is for a new
+    process (bench/ scripts: --isa avx2)."""
     from llvmlite import binding
     host = binding.get_host_cpu_features()
-    return numba.config.CPU_NAME is None and all(host.get(f, False) for f in features)
+    features = ",".join(("-" if name.startswith(_AFTER_AVX2) or not on else "+") + name
+                        for name, on in sorted(host.items()))
+    return {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": features,
+            "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+            "OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 # F16C's conversions between float32 and IEEE binary16 (vcvtps2ph / vcvtph2ps: LLVM's fptrunc

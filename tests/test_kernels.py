@@ -5,7 +5,8 @@ The ufunc path is itself checked against numpy's float16 cast, ml_dtypes and a f
 the same tensors and must write the same bytes: every code, and for SSDC the header and every
 used byte of the chosen format. Every test runs with the plain kernels (integer fp16, scalar
 SSDC) and, on a CPU that has the instructions, with the fast ones (fp16 through F16C,
-kernels.HALF; SSDC through AVX-512 compress/expand, kernels.VECTOR), each on one thread and
+kernels.HALF; SSDC through AVX-512 compress/expand, kernels.VECTOR), and with the forms a CPU
+without AVX-512 takes (F16C, SSDC's bitmap through SSSE3's byte shuffle), each on one thread and
 split into parts on three (kernels.threads).
 """
 import os
@@ -26,15 +27,21 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not in
 RNG = np.random.default_rng(77)
 
 
-@pytest.fixture(autouse=True, params=["plain", "fast"])
+@pytest.fixture(autouse=True, params=["plain", "fast", "shuffle"])
 def kernel_variant(request):
+    """plain: integer fp16, scalar SSDC; fast: F16C and AVX-512 compress/expand where the CPU
+    has them; shuffle: F16C with SSDC's bitmap through SSSE3's byte shuffle, the forms a CPU
+    without AVX-512 runs (tested on every x86-64 CPU, AVX-512 or not)."""
     if request.param == "fast" and not (kernels.VECTOR or kernels.HALF):
         pytest.skip("this CPU has neither F16C nor AVX-512 VBMI2: only the plain kernels are used")
-    fast = request.param == "fast"
-    previous = kernels.set_vector(fast), kernels.set_half(fast)
+    if request.param == "shuffle" and not kernels.SHUFFLE:
+        pytest.skip("this CPU has no SSSE3: the byte-shuffle kernels are not used")
+    fast, shuffle = request.param == "fast", request.param == "shuffle"
+    previous = kernels.set_vector(fast), kernels.set_half(fast or shuffle), kernels.set_shuffle(shuffle)
     yield request.param
     kernels.set_vector(previous[0])
     kernels.set_half(previous[1])
+    kernels.set_shuffle(previous[2])
 
 
 @pytest.fixture(autouse=True, params=[1, 3], ids=["1 thread", "3 threads"])

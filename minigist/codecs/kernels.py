@@ -81,7 +81,8 @@ def describe(xp=np):
     """One line on which path the codecs take with this xp."""
     if not active(xp):
         return f"ufunc path ({jit.off_reason(xp)})"
-    extras = [name for name, on in (("F16C fp16", _half), ("AVX-512 compress/expand", _vector)) if on]
+    extras = [name for name, on in (("F16C fp16", _half), ("AVX-512 compress/expand", _vector),
+                                    ("SSSE3 shuffle compress/expand", _shuffle and not _vector)) if on]
     return f"numba {numba.__version__} kernels" + (f" ({', '.join(extras)})" if extras else "")
 
 
@@ -114,6 +115,29 @@ VECTOR = _host_has("avx512f", "avx512bw", "avx512vl", "avx512vbmi2")
 _vector = VECTOR
 HALF = jit.HALF
 _half = HALF
+# Without AVX-512 the bitmap format's kernels compress and expand with SSSE3's byte shuffle
+# (set_shuffle(False) selects the scalar ones); where VECTOR holds, the AVX-512 ones serve.
+SHUFFLE = _host_has("ssse3")
+_shuffle = SHUFFLE
+
+
+def _shuffle_tables(itemsize):
+    """pshufb's control bytes per bitmap pattern of a group (8 values of 1 or 2 bytes, 4 of
+    4: 16 bytes or fewer), flattened: (compress, expand), row m at 16 * m. Pattern bit
+    group - 1 - j is lane j (numpy.packbits order); 0x80 writes a zero byte."""
+    group = 4 if itemsize == 4 else 8
+    compress = np.full((1 << group, 16), 0x80, np.uint8)
+    expand = np.full((1 << group, 16), 0x80, np.uint8)
+    for m in range(1 << group):
+        lanes = [j for j in range(group) if (m >> (group - 1 - j)) & 1]
+        for k, j in enumerate(lanes):
+            for b in range(itemsize):
+                compress[m, k * itemsize + b] = j * itemsize + b
+                expand[m, j * itemsize + b] = k * itemsize + b
+    return compress.ravel(), expand.ravel()
+
+
+_SHUFFLE_TABLES = {itemsize: _shuffle_tables(itemsize) for itemsize in (1, 2, 4)}
 
 
 if numba is not None:
@@ -534,6 +558,115 @@ if numba is not None:
         tail = n - n % WIDE
         _ssdc_decode_bitmap(bitmap[tail // 8:], values, off, out_u[tail:], p, rounded)
 
+    # ---- SSDC with SSSE3's byte shuffle (pshufb), for CPUs without AVX-512 ----------------
+    # pshufb picks each byte of a 16-byte vector from any byte of another (or zero). One
+    # vector holds 8 fp16 or fp8 values, or 4 fp32 ones (a group); a table row per bitmap
+    # pattern of a group gives the bytes that compress its non-zeros to the low lanes, in
+    # order, or expand consecutive values to its non-zero lanes (zeros elsewhere). The whole
+    # 16 bytes are stored, as the AVX-512 kernels store whole vectors: the lanes past the
+    # non-zeros land where the next group's go, and a block goes element by element where a
+    # whole store could pass `end` (or a whole load the values' end). The rows are indexed by
+    # the bitmap's own bytes (numpy.packbits order: element 0 in the top bit), so a group's
+    # row is its bitmap byte, or each half-byte for fp32. Every x86-64 CPU since 2006 has
+    # SSSE3 (AVX2 ones run it with VEX encoding); LLVM cannot lower pshufb without it.
+
+    @_intrinsic
+    def _shuffle16(typingctx, src, src_index, table, table_index, dst, dst_index):
+        """dst's 16 bytes from element dst_index <- pshufb(src's 16 bytes from element
+        src_index, table[table_index:table_index + 16])."""
+        def codegen(context, builder, signature, args):
+            byte16 = _ir.VectorType(_ir.IntType(8), 16)
+            index = [context.cast(builder, args[i], signature.args[i], numba.types.intp) for i in (1, 3, 5)]
+            source = _pointer(context, builder, signature.args[0], args[0], index[0], byte16)
+            control = _pointer(context, builder, signature.args[2], args[2], index[1], byte16)
+            target = _pointer(context, builder, signature.args[4], args[4], index[2], byte16)
+            fn = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(byte16, [byte16, byte16]), "llvm.x86.ssse3.pshuf.b.128")
+            value = builder.call(fn, [builder.load(source, align=1), builder.load(control, align=1)])
+            builder.store(value, target, align=1)
+            return context.get_dummy_value()
+        return numba.types.void(src, src_index, table, table_index, dst, dst_index), codegen
+
+    @_intrinsic
+    def _nonzero8(typingctx, src, src_index):
+        """The mask of the 8 words src[src_index:src_index + 8] != 0 (bit j = element j): one
+        compare and movemask on AVX2."""
+        def codegen(context, builder, signature, args):
+            vector = _ir.VectorType(_ir.IntType(32), 8)
+            value = builder.load(_pointer(context, builder, signature.args[0], args[0], args[1], vector), align=1)
+            flags = builder.icmp_unsigned("!=", value, _ir.Constant(vector, None))
+            return builder.zext(builder.bitcast(flags, _ir.IntType(8)), _ir.IntType(64))
+        return numba.types.uint64(src, src_index), codegen
+
+    _REVERSED_BITS = np.array([int(f"{m:08b}"[::-1], 2) for m in range(256)], np.uint8)
+
+    @_jit
+    def _ssdc_encode_bitmap_shuffle(u, bitmap, values, off, end, p, rounded, table):
+        """_ssdc_encode_bitmap with each group's non-zeros compressed by one shuffle (table:
+        _SHUFFLE_TABLES[values' itemsize][0])."""
+        n = u.size
+        group = 4 if values.itemsize == 4 else 8
+        codes = np.empty(BLOCK, values.dtype)
+        pattern = np.empty(BLOCK // 8, np.uint8)
+        for block in range(n // BLOCK):
+            base = block * BLOCK
+            for j in range(BLOCK):
+                codes[j] = _value(u[base + j], p, rounded)
+            for b in range(BLOCK // 8):
+                byte = _REVERSED_BITS[_nonzero8(u, base + 8 * b)]
+                pattern[b] = byte
+                bitmap[base // 8 + b] = byte
+            if off + BLOCK + 16 <= end:
+                for b in range(BLOCK // 8):
+                    byte = np.int64(pattern[b])
+                    if group == 8:
+                        _shuffle16(codes, 8 * b, table, 16 * byte, values, off)
+                        off += _popcount(_U64(byte))
+                    else:
+                        _shuffle16(codes, 8 * b, table, 16 * (byte >> 4), values, off)
+                        off += _popcount(_U64(byte >> 4))
+                        _shuffle16(codes, 8 * b + 4, table, 16 * (byte & 15), values, off)
+                        off += _popcount(_U64(byte & 15))
+            else:
+                for j in range(BLOCK):
+                    if (pattern[j // 8] >> (7 - j % 8)) & 1:
+                        values[off] = codes[j]
+                        off += 1
+        tail = n - n % BLOCK
+        return _ssdc_encode_bitmap(u[tail:], bitmap[tail // 8:], values, off, end, p, rounded)
+
+    @_jit
+    def _ssdc_decode_bitmap_shuffle(bitmap, values, off, out_u, p, rounded, table):
+        """_ssdc_decode_bitmap with each group's values expanded by one shuffle (table:
+        _SHUFFLE_TABLES[values' itemsize][1])."""
+        n = out_u.size
+        group = 4 if values.itemsize == 4 else 8
+        codes = np.zeros(BLOCK + 16, values.dtype)     # room for a last whole 16-byte store
+        for block in range(n // BLOCK):
+            base = block * BLOCK
+            if off + BLOCK + 16 <= values.size:
+                for b in range(BLOCK // 8):
+                    byte = np.int64(bitmap[base // 8 + b])
+                    if group == 8:
+                        _shuffle16(values, off, table, 16 * byte, codes, 8 * b)
+                        off += _popcount(_U64(byte))
+                    else:
+                        _shuffle16(values, off, table, 16 * (byte >> 4), codes, 8 * b)
+                        off += _popcount(_U64(byte >> 4))
+                        _shuffle16(values, off, table, 16 * (byte & 15), codes, 8 * b + 4)
+                        off += _popcount(_U64(byte & 15))
+                for j in range(BLOCK):    # a zero lane holds code 0, which decodes to +0.0
+                    out_u[base + j] = _dense(codes[j], p, rounded)
+            else:
+                for i in range(base, base + BLOCK):
+                    if (bitmap[i // 8] >> (7 - i % 8)) & 1:
+                        out_u[i] = _dense(values[off], p, rounded)
+                        off += 1
+                    else:
+                        out_u[i] = 0
+        tail = n - n % BLOCK
+        _ssdc_decode_bitmap(bitmap[tail // 8:], values, off, out_u[tail:], p, rounded)
+
     # ---- the same kernels over parts of a tensor on several threads (`threads`) -------------
     # Each part is a run of whole 256-element blocks (the last part takes the rest) and
     # writes exactly the bytes the one-thread kernel writes there: an SSDC part's values go
@@ -592,6 +725,18 @@ if numba is not None:
         for k in numba.prange(bounds.size - 1):
             lo, hi = bounds[k], bounds[k + 1]
             _ssdc_encode_bitmap_vector(u[lo:hi], bitmap[lo // 8:], values, offs[k], offs[k + 1], p, rounded)
+
+    @_pjit
+    def _ssdc_encode_bitmap_shuffle_parts(u, bitmap, values, bounds, offs, p, rounded, table):
+        for k in numba.prange(bounds.size - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            _ssdc_encode_bitmap_shuffle(u[lo:hi], bitmap[lo // 8:], values, offs[k], offs[k + 1], p, rounded, table)
+
+    @_pjit
+    def _ssdc_decode_bitmap_shuffle_parts(bitmap, values, out_u, bounds, offs, p, rounded, table):
+        for k in numba.prange(bounds.size - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            _ssdc_decode_bitmap_shuffle(bitmap[lo // 8:], values, offs[k], out_u[lo:hi], p, rounded, table)
 
     @_pjit
     def _ssdc_decode_bitmap_parts(bitmap, values, out_u, bounds, offs, p, rounded):
@@ -689,6 +834,14 @@ def set_half(on):
     return previous
 
 
+def set_shuffle(on):
+    """Use the byte-shuffle SSDC bitmap kernels where the AVX-512 ones are not in use (only
+    where SHUFFLE); returns the previous setting."""
+    global _shuffle
+    previous, _shuffle = _shuffle, bool(on) and SHUFFLE
+    return previous
+
+
 def set_vector(on):
     """Use the compress/expand SSDC kernels (only where VECTOR); returns the previous setting."""
     global _vector
@@ -764,10 +917,17 @@ def ssdc_encode_bitmap(u, bitmap, values, nnz, p, rounded, split=None):
     count_nonzero (parts on several threads), or None (one)."""
     if split is not None:
         bounds, offsets = split
-        kernel = _ssdc_encode_bitmap_vector_parts if _vector else _ssdc_encode_bitmap_parts
-        kernel(u, bitmap, values, bounds, offsets, p, rounded)
+        if _vector:
+            _ssdc_encode_bitmap_vector_parts(u, bitmap, values, bounds, offsets, p, rounded)
+        elif _shuffle:
+            table = _SHUFFLE_TABLES[values.itemsize][0]
+            _ssdc_encode_bitmap_shuffle_parts(u, bitmap, values, bounds, offsets, p, rounded, table)
+        else:
+            _ssdc_encode_bitmap_parts(u, bitmap, values, bounds, offsets, p, rounded)
     elif _vector:
         _ssdc_encode_bitmap_vector(u, bitmap, values, 0, nnz, p, rounded)
+    elif _shuffle:
+        _ssdc_encode_bitmap_shuffle(u, bitmap, values, 0, nnz, p, rounded, _SHUFFLE_TABLES[values.itemsize][0])
     else:
         _ssdc_encode_bitmap(u, bitmap, values, 0, nnz, p, rounded)
 
@@ -794,13 +954,20 @@ def ssdc_decode_bitmap(bitmap, values, out_u, nnz, p, rounded):
         np.cumsum(offsets, out=offsets)
         if offsets[-1] != nnz:
             raise _corrupt("bitmap", nnz)
-        kernel = _ssdc_decode_bitmap_vector_parts if _vector else _ssdc_decode_bitmap_parts
-        kernel(bitmap, values, out_u, bounds, offsets, p, rounded)
+        if _vector:
+            _ssdc_decode_bitmap_vector_parts(bitmap, values, out_u, bounds, offsets, p, rounded)
+        elif _shuffle:
+            table = _SHUFFLE_TABLES[values.itemsize][1]
+            _ssdc_decode_bitmap_shuffle_parts(bitmap, values, out_u, bounds, offsets, p, rounded, table)
+        else:
+            _ssdc_decode_bitmap_parts(bitmap, values, out_u, bounds, offsets, p, rounded)
         return
     if _bitmap_count(bitmap, out_u.size) != nnz:
         raise _corrupt("bitmap", nnz)
     if _vector:
         _ssdc_decode_bitmap_vector(bitmap, values, 0, out_u, p, rounded)
+    elif _shuffle:
+        _ssdc_decode_bitmap_shuffle(bitmap, values, 0, out_u, p, rounded, _SHUFFLE_TABLES[values.itemsize][1])
     else:
         _ssdc_decode_bitmap(bitmap, values, 0, out_u, p, rounded)
 
