@@ -22,16 +22,9 @@ from minigist.checkpoint import arrays_digest
 from minigist.errors import MemoryBudgetError, MinigistError, ModelFileError
 from minigist.memory.available import ENV_OVERRIDE
 
-from test_train import ROOT, TINY, TRAIN, one_line_error, run_cli, train
+from test_train import ROOT, TINY, TRAIN, one_line_error, run_cli, tiny, train  # noqa: F401  (tiny: the fixture)
 
 SYNTH = ["--data", "synthetic", "--holdout", 0.02, "--train-eval-size", 0, "--eval-every", 0]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.prototxt"
-    path.write_text(TINY)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

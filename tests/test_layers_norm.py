@@ -19,6 +19,20 @@ def channel_axes(x):
     return (0,) + tuple(range(2, x.ndim))
 
 
+def assert_in_place_gives_the_bits_of(layer, reference, x, gy):
+    """`layer` run in place (y over x, gx over gy) writes `reference`'s bits; returns its y."""
+    ref_y = reference.forward([x])[0]
+    ref_gx = reference.backward([gy])[0][0]
+    ws = {phase: {k: np.empty(d.shape) for k, d in layer.workspace(phase).items()} for phase in ("forward", "backward")}
+    inplace = x.copy()
+    layer.forward(np, [inplace], [inplace], [], {}, ws["forward"])
+    np.testing.assert_array_equal(inplace, ref_y)
+    grad = gy.copy()
+    layer.backward(np, [x], [None], [grad], [grad], [], [], {}, ws["backward"])
+    np.testing.assert_array_equal(grad, ref_gx)
+    return ref_y
+
+
 def channel_view(v, x):
     return v.reshape((1, -1) + (1,) * (x.ndim - 2))
 
@@ -264,15 +278,7 @@ def test_lrn_chunks_in_place(chunk_samples):
     whole = make_layer(text, [shape])
     assert whole.stream_chunk() == 5
     reference = LayerRun(whole)
-    ref_y = reference.forward([x])[0]
-    ref_gx = reference.backward([gy])[0][0]
-    ws = {phase: {k: np.empty(d.shape) for k, d in layer.workspace(phase).items()} for phase in ("forward", "backward")}
-    inplace = x.copy()
-    layer.forward(np, [inplace], [inplace], [], {}, ws["forward"])
-    np.testing.assert_array_equal(inplace, ref_y)
-    grad = gy.copy()
-    layer.backward(np, [x], [None], [grad], [grad], [], [], {}, ws["backward"])
-    np.testing.assert_array_equal(grad, ref_gx)
+    ref_y = assert_in_place_gives_the_bits_of(layer, reference, x, gy)
     np.testing.assert_allclose(ref_y, lrn_reference(x, 3, 0.7, 0.4, 2.0)[0], rtol=1e-12)
 
 
@@ -353,15 +359,7 @@ def test_lrn_within_channel_chunks_in_place(chunk_samples):
     for phase in ("forward", "backward"):
         assert layer.workspace(phase) == across.workspace(phase)
     reference = LayerRun(make_layer(text, [shape]))
-    ref_y = reference.forward([x])[0]
-    ref_gx = reference.backward([gy])[0][0]
-    ws = {phase: {k: np.empty(d.shape) for k, d in layer.workspace(phase).items()} for phase in ("forward", "backward")}
-    inplace = x.copy()
-    layer.forward(np, [inplace], [inplace], [], {}, ws["forward"])
-    np.testing.assert_array_equal(inplace, ref_y)
-    grad = gy.copy()
-    layer.backward(np, [x], [None], [grad], [grad], [], [], {}, ws["backward"])
-    np.testing.assert_array_equal(grad, ref_gx)
+    ref_y = assert_in_place_gives_the_bits_of(layer, reference, x, gy)
 
 
 def test_lrn_within_channel_float32_agrees_with_float64():
