@@ -1067,7 +1067,9 @@ def run(args, given):
     set_bn_average(net, args.bn_average)
     graph = net.train_graph
     batch = graph.batch_size
-    args.batch_size, args.input_size = batch, graph.input_shape[-1]
+    # the batch size stays as given (None: each phase its file's), so that a resumed run
+    # evaluates at the TEST phase's batch size as the first run did
+    args.input_size = graph.input_shape[-1]
     if len(data.train) == 0:
         raise MinigistError(f"--data: {args.data} leaves no training images after the held-out split")
     if args.crop_pad is None:

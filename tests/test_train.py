@@ -620,3 +620,18 @@ def test_evaluation_runs_at_the_test_batch_counting_a_padded_last_batch_exactly(
     # --batch-size sets both phases, as Caffe's own batch override would
     both = minigist.net.plan_footprint(str(path), batch_size=5, alloc="static", conv="im2col")
     assert both["evaluation"]["batch_size"] == both["batch_size"] == 5
+
+
+def test_a_resumed_run_keeps_evaluating_at_the_test_batch(tmp_path):
+    """The checkpoint records the batch size as given (none here), so that a resume builds the
+    TEST phase at its own batch size again, not at the training one."""
+    path = tmp_path / "phase_batches.prototxt"
+    path.write_text(PHASE_BATCHES)
+    common = ["--model", path, "--data", "synthetic", "--holdout", 0.2, "--train-eval-size", 0, "--eval-every", 0,
+              "--gist", "none"]
+    first = run_cli(*common, "--iters", 2, "--checkpoint", tmp_path / "run")
+    assert first.returncode == 0, first.stderr
+    assert checkpoint_config(tmp_path / "run")["batch_size"] is None
+    resumed = run_cli("--checkpoint", tmp_path / "run", "--resume", "--iters", 3)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "held-out accuracy" in resumed.stdout
