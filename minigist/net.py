@@ -178,6 +178,10 @@ class Net:
         else:
             transient = max(plan.transient_bytes for plan in self.plans.values())
         self.arena_bytes = self.persistent_bytes + transient
+        if memory_budget is not None and alloc != "dynamic":
+            # the evaluation program (the TEST phase at its own batch size) shares the arena's
+            # per-iteration part: where it needs more than training, the budget holds it too
+            self.plans["eval"].check_budget(memory_budget, self.arena_bytes - self.plans["eval"].footprint_bytes)
         if self.xp is np:   # before the arena and the weights exist: one line, not numpy's MemoryError
             check_fits(self.arena_bytes, f"{self.model}: the {alloc} arena (weights, their gradients, momentum "
                                          f"and the per-iteration buffers at batch {self.train_graph.batch_size})")

@@ -617,6 +617,11 @@ def test_evaluation_runs_at_the_test_batch_counting_a_padded_last_batch_exactly(
     assert planned["footprint_bytes"] == report["footprint_bytes"]
     assert "evaluation at batch 7 needs more than training" in minigist.memory.report.format_report(
         dict(report, model="phase_batches"))
+    # a budget is held against the arena, evaluation's larger part included
+    minigist.Net(str(path), alloc="static", conv="im2col", memory_budget=net.arena_bytes)
+    with pytest.raises(minigist.errors.MemoryBudgetError, match="budget"):
+        minigist.Net(str(path), alloc="static", conv="im2col", memory_budget=net.arena_bytes - 1)
+    assert report["footprint_bytes"] < net.arena_bytes - 1
     # --batch-size sets both phases, as Caffe's own batch override would
     both = minigist.net.plan_footprint(str(path), batch_size=5, alloc="static", conv="im2col")
     assert both["evaluation"]["batch_size"] == both["batch_size"] == 5
