@@ -31,6 +31,7 @@ from .backend import get_xp, to_numpy
 from .checkpoint import read_npz, with_digest
 from .errors import MinigistError
 from .codecs import GistConfig
+from .densities import MARGIN
 from .codecs import kernels as codec_kernels
 from .executor import SGD, DynamicExecutor, Executor, GistStats, new_arena, view
 from .gist import apply_gist
@@ -131,7 +132,7 @@ class Net:
         self.memory_budget = budget
         self._build()
 
-    def calibrate(self, batches, margin=0.05):
+    def calibrate(self, batches, margin=MARGIN):
         """Measure each SSDC candidate's density on `batches` (tuples of net inputs) through
         forward and backward passes, then plan SSDC for `margin` above the densest batch seen.
         Weights, running statistics, momentum and the net's random stream (Dropout's masks)

@@ -12,27 +12,27 @@ the densities that tools/measure_densities.py measured (models/densities/NAME.js
 the densest batch seen, as Net.calibrate does. Planned for the im2col engine, so that the
 tables do not depend on whether oneDNN is installed.
 """
-import json
 import os
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+from minigist.densities import planned, read_densities  # noqa: E402
+from minigist.graph import build_graph  # noqa: E402
 from minigist.net import plan_footprint  # noqa: E402
 
 PAPER = ["alexnet", "nin", "overfeat", "vgg16", "googlenet"]
 EXTRA = ["resnet50", "inception_v3"]
 CONFIGS = [("none", "none", "fp16"), ("lossless", "lossless", "fp16"), ("lossy fp16", "lossy", "fp16"),
            ("all fp16", "all", "fp16"), ("all fp8", "all", "fp8-e4m3")]
-MARGIN = 0.05
 
 
 def densities(name):
+    """The planned densities of models/densities/NAME.json, checked as train.py checks them."""
     path = os.path.join(ROOT, "models", "densities", name + ".json")
-    with open(path) as handle:
-        measured = json.load(handle)["density"]
-    return {tensor: min(1.0, value * (1 + MARGIN)) for tensor, value in measured.items()}
+    graph = build_graph(os.path.join(ROOT, "models", name + ".prototxt"), "TRAIN", 1)
+    return planned(read_densities(path, graph))
 
 
 def gib(nbytes):
