@@ -20,8 +20,6 @@ minigist/layers/conv_geometry.py) and settings from it, and answers:
 
 So a further engine is a module and one entry in `ENGINE_TYPES`.
 """
-import numpy as np
-
 from .base import Layer, expect_int_list, filler_of, register
 from .conv_geometry import (ConvGeometry, columns_per_group, is_pointwise, kernel_extent, output_size,
                             transposed_cheaper)

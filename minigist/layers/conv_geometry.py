@@ -129,6 +129,7 @@ def col_elems(geom, phase, transposed_backward):
 
 
 def padded_hw(geom):
+    """(Hp, Wp): the input's height and width with the zero padding on both sides."""
     n, c, h, w = geom.in_shape
     return h + 2 * geom.pad[0], w + 2 * geom.pad[1]
 

@@ -128,6 +128,8 @@ class Im2colEngine:
 
     # ---- sizes --------------------------------------------------------------------------
     def chunk(self):
+        """Samples per batch chunk: the layer's `batch_chunk`, or as many as keep one chunk's
+        largest per-sample workspace within its `chunk_bytes`."""
         layer = self.layer
         n, c, h, w = layer.in_shape
         if layer.pointwise:
@@ -165,9 +167,11 @@ class Im2colEngine:
         return True
 
     def stream_chunk(self):
+        """The backward reads x one batch chunk at a time."""
         return self.chunk()
 
     def fuses_bias_gradient(self, weight_grad):
+        """The bias gradient is left to the layer: no GEMM here produces it."""
         return False
 
     def workspace(self, phase):
