@@ -2,10 +2,10 @@
 memory goes, with Gist's stash encodings (Jain et al., ISCA 2018) built in."""
 from .backend import get_xp, gpu_available, to_numpy
 from .errors import LayerSetupError, MemoryBudgetError, MinigistError, ModelFileError
-from .executor import SGD
 from .graph import build_graph
 from .net import CONV_CHOICES, CONV_ENGINES, Net, default_threads, summary
 from .program import build_program
+from .sgd import SGD
 
 __version__ = "0.1.0"
 __all__ = ["Net", "CONV_ENGINES", "CONV_CHOICES", "default_threads", "SGD", "build_graph", "build_program",

@@ -1,38 +1,7 @@
 """The executor: binds each step of a program to array views, then runs them in a plain loop."""
-import numpy as np
-
+from .memory.arena import view
 from .memory.plan import schedule
-
-
-class SGD:
-    """Caffe's SGD with momentum: g += decay * decay_mult * w; v = momentum * v +
-    lr * lr_mult * g; w -= v. The learning rate may change between steps."""
-
-    def __init__(self, lr=0.01, momentum=0.9, weight_decay=0.0):
-        self.lr = float(lr)
-        self.momentum = float(momentum)
-        self.weight_decay = float(weight_decay)
-
-
-def view(arena, offset, shape, dtype):
-    """An array of `shape`/`dtype` at byte `offset` of the uint8 `arena`."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return arena[offset:offset + nbytes].view(dtype).reshape(shape)
-
-
-PAGE = 4096
-
-
-def new_arena(xp, nbytes):
-    """An uninitialised uint8 arena of `nbytes` whose first byte sits on a page boundary, so
-    every planned buffer (at multiples of 256 bytes) starts on a cache line. numpy's own
-    allocation starts 16 bytes past one: each 64-byte vector load or store of the kernels and
-    of oneDNN's reorders then spans two cache lines, and training steps took about 5% longer
-    (ResNet-20, Inception-small and VGG-small alike, with and without Gist: bench/README)."""
-    raw = xp.empty(nbytes + PAGE, dtype=np.uint8)
-    address = raw.ctypes.data if xp is np else raw.data.ptr
-    start = (-address) % PAGE
-    return raw[start:start + nbytes]
+from .sgd import bind_update
 
 
 def _arrays(arrays, names):
@@ -155,28 +124,8 @@ def bind_step(step, arrays, xp, solver, stats=None):
         target, source = arrays[args["target"]], arrays[args["source"]]
         return lambda: xp.add(target, source, out=target)
     if step.kind == "update":
-        weight, grad = arrays[args["param"]], arrays[args["grad"]]
-        momentum, scratch = arrays[args["momentum"]], arrays[args["ws"]]
-        lr_mult, decay_mult = args["lr_mult"], args["decay_mult"]
-        # the scratch holds one chunk: a parameter-sized temporary would cost as much as the
-        # parameter itself (453 MB for OverFeat's fc6)
-        chunk = scratch.size
-        pieces = [(w, g, v, scratch[:w.size]) for w, g, v in (
-            (weight.reshape(-1)[i:i + chunk], grad.reshape(-1)[i:i + chunk], momentum.reshape(-1)[i:i + chunk])
-            for i in range(0, weight.size, chunk))]
-
-        def update():
-            decay = solver.weight_decay * decay_mult
-            rate = solver.lr * lr_mult
-            for w, g, v, tmp in pieces:
-                if decay:
-                    xp.multiply(w, decay, out=tmp)
-                    xp.add(g, tmp, out=g)
-                xp.multiply(g, rate, out=tmp)
-                xp.multiply(v, solver.momentum, out=v)
-                xp.add(v, tmp, out=v)
-                xp.subtract(w, v, out=w)
-        return update
+        return bind_update(xp, solver, arrays[args["param"]], arrays[args["grad"]], arrays[args["momentum"]],
+                           arrays[args["ws"]], args["lr_mult"], args["decay_mult"])
     raise ValueError(f"unknown step kind {step.kind!r}")
 
 

@@ -33,18 +33,20 @@ from .errors import MinigistError
 from .codecs import GistConfig
 from .densities import MARGIN
 from .codecs import kernels as codec_kernels
-from .executor import SGD, DynamicExecutor, Executor, GistStats, new_arena, view
+from .executor import DynamicExecutor, Executor, GistStats
 from .gist import apply_gist
 from .fillers import fill
 from .graph import build_graph
 from .layers.conv import Convolution
 from . import onednn
 from .memory import plan_none
+from .memory.arena import new_arena, view
 from .memory.available import check_fits
 from .memory.plan import MODES, MemoryPlan
 from .memory.pool import Pool
 from .memory.report import footprint_report
 from .program import build_program, param_buffer_names
+from .sgd import SGD
 
 UPDATES = ("separate", "fused")
 CONV_ENGINES = Convolution.ENGINES

@@ -1,6 +1,6 @@
 """oneDNN's convolutions through ctypes: the optional `--conv onednn` engine.
 
-minigist's own convolution is im2col + BLAS GEMM (minigist/layers/conv.py). oneDNN (the
+minigist's own convolution is im2col + BLAS GEMM (minigist/layers/conv_im2col.py). oneDNN (the
 library PyTorch's CPU convolutions run on) has direct, JIT-compiled, cache-blocked kernels
 that are 1.5-3x faster on this machine's AVX-512 cores, but only on its blocked layouts
 (nChw16c, ...): on plain NCHW it falls back to im2col + GEMM itself. So this engine keeps

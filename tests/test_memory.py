@@ -9,7 +9,7 @@ import pytest
 
 import minigist
 from minigist.errors import MemoryBudgetError
-from minigist.memory import align, plan_none
+from minigist.memory import align, arena, plan_none
 from minigist.memory.plan import MemoryPlan, inplace_pairs
 from minigist.memory.planner import StaticPlanner
 from minigist.memory.pool import Pool
@@ -227,7 +227,7 @@ def test_arena_starts_on_a_page(branchy, alloc, monkeypatch):
     """Every planned buffer starts on a cache line: the arena on a page, offsets at 256 bytes
     (dynamic: every array the pool's offsets give during a step)."""
     addresses = []
-    view = minigist.executor.view
+    view = arena.view
 
     def recorded(*args):
         array = view(*args)

@@ -52,7 +52,7 @@ def test_onednn_matches_the_im2col_engine(case):
     assert relative(gx, ref_gx) < 1e-6
     for got, want in zip(gp, ref_gp):
         assert relative(got, want) < 1e-5
-    kernels = layer.onednn_primitives().implementations()
+    kernels = layer.conv_engine().primitives().implementations()
     assert set(kernels) == {"forward", "backward_data", "backward_weights"}
 
 
@@ -175,7 +175,7 @@ def test_onednn_plan_is_the_declared_bytes():
     for layer in net.train_graph.layers:
         if layer.type != "Convolution":
             continue
-        wanted = layer.onednn_primitives().workspace("forward")
+        wanted = layer.conv_engine().primitives().workspace("forward")
         found = {name.rsplit(".", 1)[1]: buffer.nbytes for name, buffer in program.buffers.items()
                  if name.startswith(f"ws:{layer.name}.forward.")}
         assert found == wanted
