@@ -179,12 +179,13 @@ def _field_lines(spec, name):
 
 
 def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=np.float32,
-                path=None, add_loss=False, input_channels=None):
+                path=None, add_loss=False, input_channels=None, conv=None):
     """Build the Graph of a model file (a path) or of prototxt text (`path` then names it).
     add_loss=True appends a SoftmaxWithLoss and its label input to a file without a loss
     layer (a deploy file), so that it can be trained (see `_with_added_loss`).
     `input_channels` sets the channel count of data layers whose file states none (Data,
-    ImageData without is_color); one that contradicts a count the file states is an error."""
+    ImageData without is_color); one that contradicts a count the file states is an error.
+    `conv`: the engine its Convolution layers compute with (None: im2col)."""
     if phase not in ("TRAIN", "TEST"):
         raise ValueError(f"phase must be TRAIN or TEST, got {phase!r}")
     if path is None:
@@ -205,7 +206,7 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
         if cls is None:
             raise ModelFileError(path, spec.msg.line_of("type"),
                                  f"unknown layer type '{spec.type}' (layer '{spec.name}')")
-        layer = cls(spec, np.dtype(dtype))
+        layer = cls(spec, np.dtype(dtype), conv)
         if not spec.tops and layer.is_loss:
             # Caffe's LossLayer gives a loss layer written without a top an anonymous one
             spec.tops = [_free_name(spec.name, current)]

@@ -22,39 +22,33 @@ with oneDNN it is oneDNN's OpenMP threads and the codec kernels', while BLAS run
 """
 import contextlib
 import os
-import tempfile
 
 import numpy as np
 
 from . import blas
 from .backend import get_xp, to_numpy
-from .checkpoint import read_npz, with_digest
+from .checkpoint import read_npz, save_npz_atomic, with_digest
 from .errors import MinigistError
-from .codecs import GistConfig
 from .densities import MARGIN
 from .codecs import kernels as codec_kernels
-from .executor import DynamicExecutor, Executor, GistStats
-from .gist import apply_gist
+from .executor import DynamicExecutor, Executor
 from .fillers import fill
-from .graph import build_graph
-from .layers.conv import Convolution
 from . import onednn
 from .memory import plan_none
 from .memory.arena import new_arena, view
 from .memory.available import check_fits
-from .memory.plan import MODES, MemoryPlan
 from .memory.pool import Pool
 from .memory.report import footprint_report
-from .program import build_program, param_buffer_names
+from .passes.gist_steps import GistStats
+from .pipeline import Options, build, compile, report_extra, with_evaluation
+from .program import param_buffer_names
 from .sgd import SGD
 
-UPDATES = ("separate", "fused")
-CONV_ENGINES = Convolution.ENGINES
-CONV_CHOICES = ("auto",) + CONV_ENGINES
 # the default thread count never exceeds this: the nets here are small, and beyond a few
 # threads oneDNN's per-thread split of a 32-image batch gains little while a shared machine's
 # other work loses its cores
 MAX_DEFAULT_THREADS = 8
+PHASES = {"train": "TRAIN", "eval": "TEST"}     # the programs a Net runs, and their phases
 
 
 class Net:
@@ -62,21 +56,18 @@ class Net:
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
                  conv="im2col", add_loss=False, input_channels=None, threads=None):
-        if alloc not in MODES:
-            raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
-        try:
-            self.gist = GistConfig(gist, dpr, binarize, gist_overrides, ssdc_density)
-        except ValueError as exc:
-            raise MinigistError(str(exc)) from None
+        self.options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels,
+                               device=device, dtype=dtype, conv=conv, alloc=alloc, gist=gist, dpr=dpr,
+                               binarize=binarize, overrides=gist_overrides, update=update, budget=memory_budget,
+                               densities=ssdc_density, add_loss=add_loss)
         self.xp = get_xp(device)
-        self.dtype = np.dtype(dtype)
+        self.dtype = self.options.dtype
         self.seed = seed
         self.model = str(model)
-        self.graphs = {phase: build_graph(model, phase, batch_size, input_size, self.dtype, add_loss=add_loss,
-                                          input_channels=input_channels)
-                       for phase in ("TRAIN", "TEST")}
+        built = {phase: build(model, self.options, phase, self.xp) for phase in ("TRAIN", "TEST")}
+        self.graphs = {phase: graph for phase, (graph, _) in built.items()}
         self.train_graph = self.graphs["TRAIN"]
-        self.conv = set_conv_engine(self.graphs.values(), conv, self.xp, self.dtype)
+        self.conv = built["TRAIN"][1]
         self.threads = default_threads(self.conv) if threads is None else _thread_count(threads)
         # oneDNN's OpenMP threads take the cores; OpenBLAS's idle threads spin for about 0.1 s
         # after each call and would take them back (resnet20's step: 266 ms with two BLAS
@@ -86,21 +77,19 @@ class Net:
         self.blas_threads = (1 if onednn_engine else self.threads) if self.xp is np else None
         self.omp_threads = self.threads if onednn_engine else None
         self.codec_threads = self.threads if onednn_engine else None
-        if update not in UPDATES:
-            raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {update!r}")
-        self.update = update
-        self.base_programs = {"train": build_program(self.graphs["TRAIN"], train=True,
-                                                     fused_update=update == "fused"),
-                              "eval": build_program(self.graphs["TEST"], train=False)}
         self.solver = solver or SGD()
-        self.alloc = alloc
-        self.memory_budget = memory_budget
         self.stats = GistStats()
         self.arena = None
         self._build()
         self._init_params(seed)
         self.rng = self._make_rng(seed + 1)
         self._set_layer_rng(self.rng)
+
+    # the settings, as the options hold them
+    gist = property(lambda self: self.options.gist_config())
+    alloc = property(lambda self: self.options.alloc)
+    update = property(lambda self: self.options.update)
+    memory_budget = property(lambda self: self.options.budget)
 
     @contextlib.contextmanager
     def _threads(self):
@@ -112,15 +101,18 @@ class Net:
 
     # ---- construction -------------------------------------------------------------------
     def _build(self, calibrating=False):
-        """Apply Gist to the training program, plan memory and bind the executors. A rebuild
-        (after calibration) carries the persistent state (weights, momentum) over."""
+        """Compile both programs (minigist.pipeline), plan the arena and bind the executors. A
+        rebuild (after calibration, or with new options) carries the persistent state
+        (weights, momentum) over."""
         old_arena, old_persistent = self.arena, getattr(self, "persistent_bytes", 0)
-        self.programs = {"train": apply_gist(self.base_programs["train"], self.gist, calibrating),
-                         "eval": self.base_programs["eval"]}
         # the calibration pass plans every SSDC candidate at full capacity: a measurement, not
         # the training plan, so the budget is not held against it; oneDNN sizes its scratchpads
         # for the thread count its primitives are made under
         with self._threads():
+            self.compiled = {key: compile(self.model, self.options, phase, graph=self.graphs[phase],
+                                          calibrating=calibrating and key == "train", xp=self.xp)
+                             for key, phase in PHASES.items()}
+            self.programs = {key: compiled.program for key, compiled in self.compiled.items()}
             self._allocate(self.alloc, None if calibrating else self.memory_budget)
         if old_arena is not None:
             assert old_persistent == self.persistent_bytes
@@ -131,7 +123,13 @@ class Net:
         raises MemoryBudgetError if the plan does not fit (static / none), or limits the pool
         (dynamic). Weights and momentum are kept. train.py sets its budget this way after
         calibration, so that the plan it checks is the one SSDC's measured densities give."""
-        self.memory_budget = budget
+        self.options = self.options.replace(budget=budget)
+        self._build()
+
+    def set_densities(self, densities):
+        """Plan SSDC for {tensor: fraction of non-zeros} from now on (re-plans; weights and
+        momentum are kept): what `calibrate` does with the densities it measures."""
+        self.options = self.options.replace(densities=densities)
         self._build()
 
     def calibrate(self, batches, margin=MARGIN):
@@ -154,14 +152,13 @@ class Net:
         finally:
             self._set_layer_rng(self.rng)
         measured = dict(self.stats.density)
-        self.gist.ssdc_density = {name: min(1.0, density * (1.0 + margin)) for name, density in measured.items()}
         self.stats = GistStats()
-        self._build(calibrating=False)
+        self.set_densities({name: min(1.0, density * (1.0 + margin)) for name, density in measured.items()})
         self.restore(keep)
         return measured
 
     def _allocate(self, alloc, memory_budget):
-        """Plan both programs, then carve every array out of one arena."""
+        """Carve every array of both plans out of one arena: the persistent part first."""
         persistent = {}
         for program in self.programs.values():
             for name, buffer in program.buffers.items():
@@ -171,7 +168,7 @@ class Net:
                         raise MinigistError(f"{self.model}: parameter {name} has shape {buffer.shape} "
                                             f"in TEST but {known.shape} in TRAIN")
         persistent_offsets, self.persistent_bytes = plan_none({n: b.nbytes for n, b in persistent.items()})
-        self.plans = {key: MemoryPlan(program, alloc) for key, program in self.programs.items()}
+        self.plans = {key: compiled.plan for key, compiled in self.compiled.items()}
         if memory_budget is not None and alloc != "dynamic":   # the pool checks as it runs
             self.plans["train"].check_budget(memory_budget, self.persistent_bytes - self.plans["train"].persistent_bytes)
         if alloc == "dynamic":
@@ -310,14 +307,12 @@ class Net:
     def report(self):
         """The footprint report (a dict) of the training program under this net's mode, with
         what the Gist encoders measured so far."""
-        extra = {"gist": {"mode": self.gist.mode, "dpr": self.gist.dpr, "binarize": self.gist.binarize,
-                          "ssdc_density_planned": dict(self.gist.ssdc_density),
-                          "ssdc_density_seen": dict(self.stats.density),
-                          "ssdc_fallbacks": self.stats.fallbacks,
-                          "ssdc_fallback_bytes": self.stats.fallback_bytes},
-                 "update": self.update, "conv": self.conv}
-        if self.train_graph.added_loss:
-            extra["added_loss"] = self.train_graph.added_loss
+        config = self.gist
+        extra = report_extra(config, self.update, self.conv, self.train_graph)
+        extra["gist"].update({"ssdc_density_planned": dict(config.ssdc_density),
+                              "ssdc_density_seen": dict(self.stats.density),
+                              "ssdc_fallbacks": self.stats.fallbacks,
+                              "ssdc_fallback_bytes": self.stats.fallback_bytes})
         report = footprint_report(self.plans["train"], model=self.model,
                                   parameters=self.train_graph.param_count(), extra=extra)
         return with_evaluation(report, self.plans["train"], self.plans["eval"], self.graphs["TEST"])
@@ -397,31 +392,6 @@ class Net:
         return summary(self.train_graph)
 
 
-def save_npz_atomic(path, arrays):
-    """np.savez to a temporary file in the same folder, fsync, then rename over `path`."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            np.savez(out, **arrays)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
-
-
 def summary(graph):
     """One row per layer (name, type, output shape, parameters), then `parameters: N`."""
     rows = [("layer", "type", "output shape", "parameters")]
@@ -470,73 +440,3 @@ def _thread_count(threads):
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
         raise MinigistError(f"--threads: expected a positive integer, got {threads!r}")
     return int(threads)
-
-
-def resolve_conv(conv, xp=np, dtype=np.float32):
-    """The engine `conv` names: "auto" is oneDNN where it can run (the library loads, the CPU,
-    float32), im2col otherwise; the others are themselves."""
-    if conv != "auto":
-        return conv
-    usable = onednn.available() and xp is np and np.dtype(dtype) == np.float32
-    return "onednn" if usable else "im2col"
-
-
-def set_conv_engine(graphs, conv, xp=np, dtype=np.float32):
-    """Check the --conv engine ("auto" resolved by resolve_conv) and hand it to every
-    Convolution layer of `graphs` before their workspaces are planned (oneDNN's blocked copies
-    replace the im2col columns); returns the engine chosen."""
-    if conv not in CONV_CHOICES:
-        raise MinigistError(f"--conv: expected one of {', '.join(CONV_CHOICES)}, got {conv!r}")
-    conv = resolve_conv(conv, xp, dtype)
-    if conv == "onednn":
-        if not onednn.available():
-            raise MinigistError(f"--conv onednn: {onednn.unavailable_reason()}")
-        if xp is not np:
-            raise MinigistError("--conv onednn runs on the CPU only (--device cpu)")
-        if np.dtype(dtype) != np.float32:
-            raise MinigistError(f"--conv onednn runs float32 only, not {np.dtype(dtype).name}")
-    for graph in graphs:
-        for layer in graph.layers:
-            if isinstance(layer, Convolution):
-                layer.engine = conv
-    return conv
-
-
-def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
-                   gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
-                   conv="im2col", add_loss=False, input_channels=None):
-    """The footprint report of one training iteration, computed from shapes alone: no array
-    is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
-    (measured densities: a plan cannot see data)."""
-    if update not in UPDATES:
-        raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {update!r}")
-    if alloc not in MODES:
-        raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {alloc!r}")
-    try:
-        config = GistConfig(gist, dpr, binarize, None, ssdc_density)
-    except ValueError as exc:
-        raise MinigistError(str(exc)) from None
-    graph = build_graph(model, "TRAIN", batch_size, input_size, dtype, add_loss=add_loss,
-                        input_channels=input_channels)
-    conv = set_conv_engine([graph], conv, np, dtype)
-    program = apply_gist(build_program(graph, train=True, fused_update=update == "fused"), config)
-    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update,
-             "conv": conv}
-    if graph.added_loss:
-        extra["added_loss"] = graph.added_loss
-    plan = MemoryPlan(program, alloc)
-    report = footprint_report(plan, model=str(model), parameters=graph.param_count(), extra=extra)
-    test_graph = build_graph(model, "TEST", batch_size, input_size, dtype, add_loss=add_loss,
-                             input_channels=input_channels)
-    set_conv_engine([test_graph], conv, np, dtype)
-    return with_evaluation(report, plan, MemoryPlan(build_program(test_graph, train=False), alloc), test_graph)
-
-
-def with_evaluation(report, train_plan, eval_plan, test_graph):
-    """The report with the evaluation program's part: the TEST phase runs at its own batch size
-    (a Caffe file may give TEST another one than TRAIN) in the arena's per-iteration part, which
-    the two programs share, so the arena holds the larger of the two."""
-    report["evaluation"] = {"batch_size": test_graph.batch_size, "transient_bytes": eval_plan.transient_bytes}
-    report["footprint_with_evaluation_bytes"] = (report["footprint_bytes"]
-                                                 + max(0, eval_plan.transient_bytes - train_plan.transient_bytes))
-    return report

@@ -11,11 +11,12 @@ from .graph import layer_spec
 from .layers import LAYER_TYPES
 
 
-def make_layer(text, bottom_shapes, dtype=np.float64, phase="TRAIN"):
-    """Build and set up the layer described by a `layer { ... }` body (without the braces)."""
+def make_layer(text, bottom_shapes, dtype=np.float64, phase="TRAIN", engine=None):
+    """Build and set up the layer described by a `layer { ... }` body (without the braces),
+    made for the compute `engine` (None: its default)."""
     msg = prototxt.parse(text, "<test>", root="LayerParameter")
     spec = layer_spec(msg, "<test>", phase)
-    layer = LAYER_TYPES[spec.type](spec, np.dtype(dtype))
+    layer = LAYER_TYPES[spec.type](spec, np.dtype(dtype), engine)
     shapes = [tuple(s) for s in bottom_shapes]
     layer.top_shapes = [tuple(int(d) for d in s) for s in layer.setup(shapes)]
     layer.bottom_shapes = shapes

@@ -1,6 +1,6 @@
-"""BatchNorm writing Gist's fp16 stash of its output as it computes it (Layer.writes_half):
-the codes are DPR("fp16")'s bytes on the kernel path (F16C) and the ufunc path, and a net
-without numba trains with them. These run without numba too (its kernel cases skip)."""
+"""BatchNorm handing over each final slice of its output (Layer.emits_top_slices), which Gist
+encodes as its fp16 stash while it is in cache: the codes are DPR("fp16")'s bytes on the
+kernel path (F16C) and the ufunc path, and a net without numba trains with them. These run without numba too (its kernel cases skip)."""
 import os
 import subprocess
 import sys
@@ -40,73 +40,85 @@ def every_kind_of_float32(rng):
     return np.concatenate([bits, edges, nans]).view(np.float32)
 
 
+def encode_slices(y, codes, scratch_fill=np.nan):
+    """y's fp16 codes written by HalfStash.encode_slice, two samples at a time, with a
+    scratch that starts out holding NaNs (as a reused workspace may)."""
+    from minigist.codecs.dpr import HalfStash
+    codec, enc = HalfStash(), {"codes": codes.view(np.float16)}
+    for n0 in range(0, y.shape[0], 2):
+        part = y[n0:n0 + 2]
+        codec.encode_slice(np, part, enc, n0, n0 + part.shape[0], np.full(part.shape, scratch_fill, np.float32))
+
+
 @pytest.mark.parametrize("path", ["kernel", "ufuncs"])
-def test_batchnorm_fp16_codes_are_dprs_for_every_kind_of_value(path):
-    """What BatchNorm writes as Gist's fp16 stash (writes_half): DPR("fp16")'s bytes."""
-    from minigist.layers import fused_kernels
-    from minigist.layers.normalization import BatchNorm
-    if path == "kernel" and not jit.HALF:
+def test_fp16_codes_of_a_slice_are_dprs_for_every_kind_of_value(path):
+    """What a layer's emitted slices are encoded to (HalfStash.encode_slice): DPR("fp16")'s
+    bytes, on the compiled path and on the ufuncs."""
+    from minigist.codecs import kernels
+    if path == "kernel" and not kernels.HALF:
         pytest.skip("no numba, or a CPU without F16C: the ufunc path writes the codes")
-    y = every_kind_of_float32(np.random.default_rng(35)).reshape(2, 1, -1)
+    y = every_kind_of_float32(np.random.default_rng(35)).reshape(5, 1, -1)
     codes = np.zeros(y.shape, np.uint16)
-    if path == "kernel":
-        written = y.copy()
-        fused_kernels.scale_channels_half(written, np.ones(1, np.float32), codes)
-        # y * 1 is y, but a signalling NaN comes out quiet, as numpy's multiply makes it
-        with np.errstate(invalid="ignore"):
-            same_bytes(written, y * np.float32(1))
-        expected = dpr_fp16_codes(written)
-    else:
-        BatchNorm._half_codes(np, y, codes, np.full(y.shape, np.nan, np.float32))
-        expected = dpr_fp16_codes(y)
-    assert codes.tobytes() == expected.tobytes()
+    with kernels.use_codec_kernels(path == "kernel"):
+        encode_slices(y, codes)
+    assert codes.tobytes() == dpr_fp16_codes(y).tobytes()
 
 
 @pytest.mark.parametrize("special", [False, True], ids=["normal", "special"])
 @pytest.mark.parametrize("chunk_bytes", [None, 2 * 3 * 4 * 6 * 4])
 @pytest.mark.parametrize("inplace", [False, True], ids=["apart", "in place"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "ufuncs"])
-def test_batchnorm_forward_writes_its_fp16_stash(kernels, inplace, chunk_bytes, special):
-    """forward(..., half=codes): y the same bytes as without, codes DPR("fp16")'s of that y
-    (compared with the y of the same path: a NaN's sign may differ between the kernels and
-    the ufuncs, as in tests/test_fused_kernels.py)."""
+def test_batchnorm_forward_emits_final_slices_of_its_top(kernels, inplace, chunk_bytes, special):
+    """forward(..., emit=f): y the same bytes as without; f sees each slice of y in order,
+    covering the batch, already final; encoding them gives DPR("fp16")'s codes of that y."""
+    from minigist.codecs.dpr import HalfStash
     if kernels and not jit.available():
         pytest.skip("numba is not installed")
     layer = make_layer(LAYERS["batchnorm"], [SHAPE], dtype=np.float32)
-    assert layer.writes_half()
+    assert layer.emits_top_slices()
     if chunk_bytes:
         layer.chunk_bytes = chunk_bytes
     rng = np.random.default_rng(36)
     x = values(rng, SHAPE, np.float32, special) * np.float32(3)
     results = []
-    for half in (None, np.zeros(SHAPE, np.float16)):
+    for emitting in (False, True):
         ws = {k: np.full(d.shape, np.nan, d.dtype or layer.dtype) for k, d in layer.workspace("forward").items()}
         saved = {k: np.empty(d.shape, d.dtype or layer.dtype) for k, d in layer.saved.items()}
         x_in = x.copy()
         y = x_in if inplace else np.empty(SHAPE, np.float32)
+        codes, seen = np.zeros(SHAPE, np.float16), []
+
+        def emit(n0, n1, scratch):
+            seen.append((n0, n1, y[n0:n1].copy()))
+            HalfStash().encode_slice(np, y[n0:n1], {"codes": codes}, n0, n1, scratch)
         with jit.use_kernels(kernels), np.errstate(all="ignore"):
-            layer.forward(np, [x_in], [y], [np.zeros(d.shape, np.float32) for d in layer.params], saved, ws, half=half)
-        results.append((y, half))
-    (reference, _), (y, codes) = results
+            layer.forward(np, [x_in], [y], [np.zeros(d.shape, np.float32) for d in layer.params], saved, ws,
+                          **({"emit": emit} if emitting else {}))
+        results.append((y, codes, seen))
+    (reference, _, _), (y, codes, seen) = results
     same_bytes(y, reference)
+    assert [(n0, n1) for n0, n1, _ in seen] == [(n0, min(n0 + seen[0][1], SHAPE[0]))
+                                                for n0 in range(0, SHAPE[0], seen[0][1])]
+    for n0, n1, emitted in seen:
+        same_bytes(emitted, y[n0:n1])      # final when emitted
     assert codes.view(np.uint16).tobytes() == dpr_fp16_codes(y).tobytes()
 
 
-def test_layers_that_cannot_write_a_float16_stash_say_so():
-    assert not make_layer(LAYERS["relu"], [SHAPE], dtype=np.float32).writes_half()
-    assert not make_layer(LAYERS["scale"], [SHAPE], dtype=np.float32).writes_half()
+def test_layers_that_emit_no_slices_say_so():
+    assert not make_layer(LAYERS["relu"], [SHAPE], dtype=np.float32).emits_top_slices()
+    assert not make_layer(LAYERS["scale"], [SHAPE], dtype=np.float32).emits_top_slices()
     assert not make_layer('name: "bn" type: "BatchNorm" bottom: "x" top: "y" '
-                          'batch_norm_param { use_global_stats: true }', [SHAPE], dtype=np.float32).writes_half()
-    assert not make_layer(LAYERS["batchnorm"], [SHAPE], dtype=np.float64).writes_half()   # DPR: float32
+                          'batch_norm_param { use_global_stats: true }', [SHAPE], dtype=np.float32).emits_top_slices()
+    assert not make_layer(LAYERS["batchnorm"], [SHAPE], dtype=np.float64).emits_top_slices()   # float32 stashes
 
 
-def test_batchnorm_with_global_stats_refuses_to_write_one():
+def test_batchnorm_with_global_stats_refuses_to_emit():
     layer = make_layer('name: "bn" type: "BatchNorm" bottom: "x" top: "y" '
                        'batch_norm_param { use_global_stats: true }', [SHAPE])
     x = np.ones(SHAPE, np.float32)
     params = [np.ones(d.shape, np.float32) for d in layer.params]
     with pytest.raises(ValueError, match="use_global_stats"):
-        layer.forward(np, [x], [x.copy()], params, {}, {}, half=np.zeros(SHAPE, np.float16))
+        layer.forward(np, [x], [x.copy()], params, {}, {}, emit=lambda n0, n1, scratch: None)
 
 
 NO_NUMBA_RUN = """
@@ -118,7 +130,7 @@ from minigist import jit
 assert jit.available() == (sys.argv[1] == "with")
 rng = np.random.default_rng(0)
 net = minigist.Net(sys.argv[2], batch_size=2, seed=1, gist="lossy")
-assert any(s.kind == "forward" and s.codec is not None for s in net.programs["train"].steps)
+assert any(s.kind == "forward" and type(s.op).__name__ == "WriteCodes" for s in net.programs["train"].steps)
 print([net.train_step(rng.standard_normal((2, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, 2))
        for _ in range(2)])
 """

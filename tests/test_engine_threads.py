@@ -9,7 +9,7 @@ import pytest
 import minigist
 from minigist import blas, onednn
 from minigist.errors import MinigistError
-from minigist.net import plan_footprint
+from minigist.pipeline import plan_footprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "vgg_small.prototxt")

@@ -71,6 +71,7 @@ def test_the_plot_marks_an_update_phase_only_for_the_separate_update(tmp_path):
     import minigist
     from minigist import visualize
     from minigist.memory.plan import MemoryPlan
+    from minigist.passes.inplace import mark_inplace
     graph = minigist.build_graph(os.path.join(ROOT, "models", "resnet20.prototxt"), "TRAIN", 4)
     fused = minigist.build_program(graph, train=True, fused_update=True)
     separate = minigist.build_program(graph, train=True, fused_update=False)
@@ -79,6 +80,6 @@ def test_the_plot_marks_an_update_phase_only_for_the_separate_update(tmp_path):
     start = visualize._separate_update_starts(separate)
     assert start is not None and {s.kind for s in separate.steps[start:]} == {"update"}
     assert separate.steps[start - 1].kind != "update"
-    visualize.plot_timeline(MemoryPlan(fused, "static"), {"gist": {"mode": "all", "dpr": "fp8-e4m3"}},
+    visualize.plot_timeline(MemoryPlan(mark_inplace(fused), "static"), {"gist": {"mode": "all", "dpr": "fp8-e4m3"}},
                             tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0

@@ -10,9 +10,9 @@ from minigist.memory import align
 from minigist.codecs import register_codec, unregister_codec
 from minigist.codecs.dpr import DPR
 from minigist.errors import MinigistError
-from minigist.gist import apply_gist
+from minigist.passes.gist import apply_gist
+from minigist.passes.gist_steps import StreamedBackward, WriteCodes
 from minigist.codecs import GistConfig
-from minigist.memory.plan import MemoryPlan
 
 MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
 SMALL_MODELS = ["vgg_small", "resnet20", "inception_small"]
@@ -63,9 +63,9 @@ def test_streamed_stashes_train_like_whole_ones(name, alloc, gist, monkeypatch):
     for layer_class in (Convolution, LRN, BatchNorm, Scale):    # chunks of 1 sample of 4
         monkeypatch.setattr(layer_class, "chunk_bytes", 1)
     whole, whole_losses = train(name, gist if gist == "all" else "none", alloc)
-    monkeypatch.setattr(minigist.gist, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(minigist.passes.gist, "STREAM_MIN_BYTES", 0)
     net, losses = train(name, gist, alloc)
-    streamed = [s for s in net.programs["train"].steps if s.streams]
+    streamed = [s for s in net.programs["train"].steps if isinstance(s.op, StreamedBackward)]
     assert streamed
     assert losses == whole_losses
     for key, value in whole.params().items():
@@ -92,13 +92,14 @@ def test_fp16_stashes_read_as_they_are_train_like_decoded_ones(name, gist, alloc
             codes = encoding.encoded[0]
             assert codes not in decoded and program.buffers[codes].dtype == np.float16
             assert any(codes in s.args["x"] + s.args["y"] for s in readers)
-        # BatchNorm writes them as it computes x_hat (writes_half): no encode step reads it again
-        written = {s.args["enc"]["codes"] for s in program.steps if s.kind == "forward" and s.codec is not None}
+        # BatchNorm's slices are encoded as it emits them (emits_top_slices): no encode step
+        # reads x_hat again
+        written = {s.args["enc"]["codes"] for s in program.steps if s.kind == "forward" and isinstance(s.op, WriteCodes)}
         assert written == {e.encoded[0] for e in direct}
-        assert not [s for s in program.steps if s.kind == "encode" and type(s.codec).__name__ == "HalfStash"]
+        assert not [s for s in program.steps if s.kind == "encode" and type(s.op.codec).__name__ == "HalfStash"]
         # stashes read by other layers are still decoded (the input, read by conv1's backward)
         assert any(s.note == "data" for s in program.steps if s.kind == "decode")
-        monkeypatch.setattr(minigist.gist._Builder, "read_as_half", lambda self, name, codec: False)
+        monkeypatch.setattr(minigist.passes.gist._Builder, "read_as_half", lambda self, name, codec: False)
         reference, expected = train(name, gist, alloc, steps=3)
     assert not [e for e in reference.programs["train"].encodings.values() if type(e.codec).__name__ == "HalfStash"]
     assert losses == expected
@@ -159,8 +160,7 @@ def test_ssdc_fallback_keeps_results_exact():
     net = minigist.Net(model("resnet20"), batch_size=4, seed=1, gist="lossless",
                        solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
     densities = net.calibrate(batches(1))
-    net.gist.ssdc_density = {name: 0.01 for name in densities}
-    net._build()
+    net.set_densities({name: 0.01 for name in densities})
     losses = [net.train_step(*batch) for batch in batches(2)]
     assert losses == expected
     report = net.report()
@@ -214,11 +214,9 @@ def test_bad_gist_values_are_one_line_errors():
 
 
 def test_plan_only_footprint_with_densities():
-    graph = minigist.build_graph(model("vgg_small"), batch_size=64)
-    program = minigist.build_program(graph)
-    none = MemoryPlan(program, "static").footprint_bytes
-    report = minigist.net.plan_footprint(model("vgg_small"), batch_size=64, gist="all",
-                                         ssdc_density={"conv1_1@relu1_1": 0.5})
+    none = minigist.compile(model("vgg_small"), minigist.Options(batch_size=64)).plan.footprint_bytes
+    report = minigist.plan_footprint(model("vgg_small"), batch_size=64, gist="all",
+                                     ssdc_density={"conv1_1@relu1_1": 0.5})
     assert report["footprint_bytes"] < none
     assert report["gist"]["mode"] == "all"
 
@@ -233,17 +231,17 @@ def test_conv_inputs_are_decoded_a_slice_at_a_time():
     tensor = "conv1_1@relu1_1"
     decoded = program.buffers[f"dec:{tensor}"]
     conv = net.train_graph.node_of("conv1_2").layer
-    assert program.buffers[f"blob:{tensor}"].nbytes >= minigist.gist.STREAM_MIN_BYTES
+    assert program.buffers[f"blob:{tensor}"].nbytes >= minigist.passes.gist.STREAM_MIN_BYTES
     assert decoded.shape == (conv.stream_chunk(), 64, 32, 32) and decoded.shape[0] < 32
     assert not [s for s in program.steps if s.kind == "decode" and s.note == tensor]
-    readers = [s for s in program.steps if s.streams and f"dec:{tensor}" in s.streams]
+    readers = [s for s in program.steps if isinstance(s.op, StreamedBackward) and f"dec:{tensor}" in s.op.streams]
     assert [s.layer.name for s in readers] == ["conv1_2", "relu1_1"]
     small = minigist.Net(model("vgg_small"), batch_size=8, gist="lossless")
     small.calibrate(batches(2, batch_size=8))
     steps = small.programs["train"].steps
-    assert small.programs["train"].buffers[f"blob:{tensor}"].nbytes < minigist.gist.STREAM_MIN_BYTES
+    assert small.programs["train"].buffers[f"blob:{tensor}"].nbytes < minigist.passes.gist.STREAM_MIN_BYTES
     assert len([s for s in steps if s.kind == "decode" and s.note == tensor]) == 1
-    assert not [s for s in steps if s.streams and f"dec:{tensor}" in s.streams]
+    assert not [s for s in steps if isinstance(s.op, StreamedBackward) and f"dec:{tensor}" in s.op.streams]
 
 
 @pytest.mark.slow
@@ -258,7 +256,7 @@ def test_the_issue_targets_hold_on_exact_plans():
     def ratio(name, dpr):
         with open(os.path.join(MODELS_DIR, "densities", name + ".json")) as handle:
             density = planned(json.load(handle)["density"])
-        sizes = [minigist.net.plan_footprint(model(name), batch_size=64, gist=gist, dpr=dpr, update="fused",
+        sizes = [minigist.plan_footprint(model(name), batch_size=64, gist=gist, dpr=dpr, update="fused",
                                              ssdc_density=density)["footprint_bytes"] for gist in ("none", "all")]
         return sizes[0] / sizes[1]
 
@@ -353,7 +351,7 @@ def test_dpr_encodes_feature_maps_of_4_kib_and_more(name, batch):
     net = minigist.Net(model(name), batch_size=batch, gist="lossy")
     table = stash_table(net)
     kept = {t: r for t, r in table.items() if r["tensor"].endswith(".inv_std")
-            or r["raw_bytes"] < minigist.gist.DPR_MIN_BYTES}
+            or r["raw_bytes"] < minigist.passes.gist.DPR_MIN_BYTES}
     assert any(r["raw_bytes"] >= 8192 for t, r in kept.items() if t.endswith(".inv_std")) == (name == "resnet50")
     assert ("loss.prob" in kept) == (name == "resnet20")
     assert all(r["encoding"] == "fp32" and r["stored_bytes"] == align(r["raw_bytes"]) for r in kept.values())

@@ -262,7 +262,7 @@ def test_relu_pool_codes_same_bytes(shape):
     else the reserved code; NaN, +-0 and negatives get the reserved one) that the ufunc path
     selects, so the packed bytes and what decodes from them are the same."""
     from minigist.codecs.bits import PackedCodes
-    from minigist.gist import FusedReluPool
+    from minigist.codecs.fused import FusedReluPool
     codec = FusedReluPool(PackedCodes(4), 9)
     n = int(np.prod(shape))
     pool_out = awkward_floats(max(n, 32))[:n].reshape(shape)

@@ -10,7 +10,8 @@ import pytest
 import minigist
 from minigist.errors import MemoryBudgetError
 from minigist.memory import align, arena, plan_none
-from minigist.memory.plan import MemoryPlan, inplace_pairs
+from minigist.memory.plan import MemoryPlan
+from minigist.passes.inplace import mark_inplace
 from minigist.memory.planner import StaticPlanner
 from minigist.memory.pool import Pool
 from minigist.memory.report import FIELDS
@@ -172,8 +173,8 @@ layer { name: "drop1" type: "Dropout" bottom: "fc1" top: "fc1" }
 layer { name: "fc2" type: "InnerProduct" bottom: "fc1" top: "fc2" inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc2" bottom: "label" top: "loss" }
 """)
-    program = minigist.build_program(minigist.build_graph(str(path)))
-    pairs = inplace_pairs(program)
+    program = mark_inplace(minigist.build_program(minigist.build_graph(str(path))))
+    pairs = program.inplace
     # forward: relu over fc1 (fc1 is read by nothing later); dropout may NOT overwrite relu's
     # output, which relu's backward still needs. backward: both gradients in place.
     assert ("blob:fc1", "blob:fc1@relu1") in pairs
@@ -191,7 +192,7 @@ def plan_blocks(plan):
 
 
 def test_modes_on_a_net_report_consistent_numbers(branchy):
-    program = minigist.build_program(minigist.build_graph(str(branchy)))
+    program = mark_inplace(minigist.build_program(minigist.build_graph(str(branchy))))
     static, dynamic, none = (MemoryPlan(program, m) for m in ("static", "dynamic", "none"))
     check_no_overlap(plan_blocks(static))
     check_no_overlap(plan_blocks(dynamic))
@@ -249,7 +250,7 @@ def test_static_budget_fails_before_running(branchy):
 
 
 def test_dynamic_budget_fails_while_running(branchy):
-    program = minigist.build_program(minigist.build_graph(str(branchy)))
+    program = mark_inplace(minigist.build_program(minigist.build_graph(str(branchy))))
     persistent = MemoryPlan(program, "dynamic").persistent_bytes
     net = minigist.Net(branchy, alloc="dynamic", memory_budget=persistent + 1024)
     data, label = batch()
@@ -312,7 +313,7 @@ BUNDLED = sorted(f[:-9] for f in os.listdir(MODELS_DIR) if f.endswith(".prototxt
 @pytest.mark.parametrize("batch_size", [1, 64])
 def test_bundled_model_plans(name, batch_size):
     graph = minigist.build_graph(os.path.join(MODELS_DIR, name + ".prototxt"), batch_size=batch_size)
-    program = minigist.build_program(graph)
+    program = mark_inplace(minigist.build_program(graph))
     static = MemoryPlan(program, "static")
     dynamic = MemoryPlan(program, "dynamic")
     check_no_overlap_fast(plan_blocks(static))

@@ -8,7 +8,7 @@ import pytest
 import minigist
 from minigist.errors import MinigistError
 from minigist.memory.report import format_report
-from minigist.net import plan_footprint
+from minigist.pipeline import plan_footprint
 
 BRANCHY = """
 name: "branchy"

@@ -21,9 +21,7 @@ pytestmark = pytest.mark.skipif(not onednn.available(), reason=f"oneDNN: {onednn
 
 
 def onednn_layer(text, shape, dtype=np.float32):
-    layer = make_layer(text, [shape], dtype=dtype)
-    layer.engine = "onednn"
-    return layer
+    return make_layer(text, [shape], dtype=dtype, engine="onednn")
 
 
 def relative(got, want):
@@ -93,8 +91,7 @@ def test_onednn_partial_backward_and_frozen_weights():
     (ref_gx,), ref_gp = reference.backward([gy])
 
     layer = onednn_layer(conv_text(body), shape)
-    layer.gx_needed = (False,)
-    assert {"gx_blk", "w_blk"}.isdisjoint(layer.workspace("backward"))
+    assert {"gx_blk", "w_blk"}.isdisjoint(layer.workspace("backward", gx_needed=(False,)))
     run = LayerRun(layer, seed=4)
     run.params = [p.astype(np.float32) for p in reference.params]
     run.forward([x.astype(np.float32)])
@@ -166,7 +163,7 @@ def test_onednn_plan_is_the_declared_bytes():
     """The shapes-only plan equals the built net's, and each convolution's workspace buffers
     are exactly the blocked copies and scratchpad oneDNN asked for."""
     net = small_net("resnet20", conv="onednn", update="fused")
-    planned = minigist.net.plan_footprint(os.path.join(ROOT, "models", "resnet20.prototxt"), batch_size=4,
+    planned = minigist.plan_footprint(os.path.join(ROOT, "models", "resnet20.prototxt"), batch_size=4,
                                           update="fused", conv="onednn")
     assert planned["footprint_bytes"] == net.report()["footprint_bytes"]
     assert net.report()["conv"] == "onednn"

@@ -436,7 +436,7 @@ def test_plan_only_of_a_deploy_file_says_forward_only_or_plans_the_added_loss(tm
     assert "added loss: SoftmaxWithLoss 'loss' on 'fc', the scores that feed the final Softmax 'prob'" in out
     report = json.loads(report_path.read_text())
     assert report["forward_only"] is False and report["backward_peak_bytes"] > 0
-    assert report["footprint_bytes"] == minigist.net.plan_footprint(TINY_DEPLOY, add_loss=True, update="fused",
+    assert report["footprint_bytes"] == minigist.plan_footprint(TINY_DEPLOY, add_loss=True, update="fused",
                                                                     conv=report["conv"])["footprint_bytes"]
 
 
@@ -531,14 +531,14 @@ def test_plan_only_takes_the_bundled_densities_as_the_gist_table_does(tmp_path, 
     import gist_table
     bundled = os.path.join(ROOT, "models", "densities", "googlenet.json")
     report, out = _plan_report(tmp_path, capsys, "--model", "googlenet", "--batch-size", 64, "--gist", "all")
-    table = minigist.net.plan_footprint(os.path.join(ROOT, "models", "googlenet.prototxt"), batch_size=64,
+    table = minigist.plan_footprint(os.path.join(ROOT, "models", "googlenet.prototxt"), batch_size=64,
                                         gist="all", ssdc_density=gist_table.densities("googlenet"),
                                         update="fused", conv="im2col")
     assert report["footprint_bytes"] == table["footprint_bytes"] == 603_235_328
     assert report["densities"] == bundled and f"densities: {bundled} (44 tensors measured" in out
     report, out = _plan_report(tmp_path, capsys, "--model", "googlenet", "--batch-size", 64, "--gist", "all",
                                "--densities", "none")
-    assert report["footprint_bytes"] == minigist.net.plan_footprint(
+    assert report["footprint_bytes"] == minigist.plan_footprint(
         os.path.join(ROOT, "models", "googlenet.prototxt"), batch_size=64, gist="all", update="fused",
         conv="im2col")["footprint_bytes"] == 693_209_600
     assert report["densities"] is None and "densities: none (--densities none)" in out
@@ -612,7 +612,7 @@ def test_evaluation_runs_at_the_test_batch_counting_a_padded_last_batch_exactly(
     assert report["evaluation"]["batch_size"] == 7
     assert report["footprint_with_evaluation_bytes"] > report["footprint_bytes"]
     assert report["footprint_with_evaluation_bytes"] == net.arena_bytes
-    planned = minigist.net.plan_footprint(str(path), alloc="static", conv="im2col")
+    planned = minigist.plan_footprint(str(path), alloc="static", conv="im2col")
     assert planned["footprint_with_evaluation_bytes"] == net.arena_bytes
     assert planned["footprint_bytes"] == report["footprint_bytes"]
     assert "evaluation at batch 7 needs more than training" in minigist.memory.report.format_report(
@@ -623,7 +623,7 @@ def test_evaluation_runs_at_the_test_batch_counting_a_padded_last_batch_exactly(
         minigist.Net(str(path), alloc="static", conv="im2col", memory_budget=net.arena_bytes - 1)
     assert report["footprint_bytes"] < net.arena_bytes - 1
     # --batch-size sets both phases, as Caffe's own batch override would
-    both = minigist.net.plan_footprint(str(path), batch_size=5, alloc="static", conv="im2col")
+    both = minigist.plan_footprint(str(path), batch_size=5, alloc="static", conv="im2col")
     assert both["evaluation"]["batch_size"] == both["batch_size"] == 5
 
 

@@ -11,7 +11,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from minigist.net import plan_footprint  # noqa: E402
+from minigist.pipeline import plan_footprint  # noqa: E402
 
 MODELS = ["alexnet", "nin", "overfeat", "vgg16", "googlenet", "inception_v3", "resnet50",
           "vgg_small", "resnet20", "inception_small"]

@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 
 from minigist.densities import planned, read_densities  # noqa: E402
 from minigist.graph import build_graph  # noqa: E402
-from minigist.net import plan_footprint  # noqa: E402
+from minigist.pipeline import plan_footprint  # noqa: E402
 
 PAPER = ["alexnet", "nin", "overfeat", "vgg16", "googlenet"]
 EXTRA = ["resnet50", "inception_v3"]

@@ -15,40 +15,17 @@ Encodings by name (the names the footprint report uses):
 An fp16 stash that every backward reader takes as float16 is a HalfStash: DPR fp16 codes that
 those readers read as they are, without a decoded copy (still named fp16).
 
-A user may register a codec for a (producer type, consumer type) pair with `register_codec`;
-a registered pair takes precedence over the built-in choice. Registering a pair twice is an
-error.
+Which codec a stashed tensor gets is decided by one ordered list of rules (codecs/rules.py):
+a user's codec for a (producer type, consumer type) pair, registered with `register_codec`,
+is asked before the built-in rules, which are registered the same way. Registering a pair
+twice is an error.
 """
 from .base import Codec
+from .rules import register_codec, register_rule, unregister_codec
 
 GIST_MODES = ("none", "lossless", "lossy", "all")
 DPR_FORMATS = ("fp16", "fp10", "fp8-e4m3", "fp8-e5m2")
 BINARIZE_FORMS = ("fused", "paper")
-
-_REGISTRY = {}
-
-
-def register_codec(producer_type, consumer_type, factory):
-    """Use `factory(shape, dtype) -> Codec` for maps that a `producer_type` layer produces and a
-    `consumer_type` layer keeps for its backward pass."""
-    key = (producer_type, consumer_type)
-    if key in _REGISTRY:
-        raise ValueError(f"a codec is already registered for {producer_type} -> {consumer_type}")
-    _REGISTRY[key] = factory
-
-
-def unregister_codec(producer_type, consumer_type):
-    del _REGISTRY[(producer_type, consumer_type)]
-
-
-def registered_codec(producer_type, consumer_types):
-    """The factory registered for this producer and one of the consumers, if any."""
-    for consumer_type in consumer_types:
-        factory = _REGISTRY.get((producer_type, consumer_type))
-        if factory is not None:
-            return factory
-    return None
-
 
 class GistConfig:
     """What the schedule builder may do.
@@ -85,4 +62,5 @@ class GistConfig:
         return f"GistConfig(mode={self.mode!r}, dpr={self.dpr!r}, binarize={self.binarize!r})"
 
 
-__all__ = ["Codec", "GistConfig", "register_codec", "unregister_codec", "GIST_MODES", "DPR_FORMATS"]
+__all__ = ["Codec", "GistConfig", "register_codec", "register_rule", "unregister_codec", "GIST_MODES",
+           "DPR_FORMATS"]

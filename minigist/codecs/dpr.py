@@ -266,3 +266,18 @@ class HalfStash(DPR):
 
     def decode(self, xp, enc, out, ws):
         super().decode(xp, self._flat(xp, enc), out, ws)
+
+    def encode_slice(self, xp, x, enc, n0, n1, scratch):
+        """Encode x, samples n0:n1 of the stash, into those samples' codes, with `scratch`
+        (float32, x's size) as the workspace: how a layer that emits its top slice by slice
+        (Layer.emits_top_slices) has it encoded while the slice is in cache."""
+        src = x.reshape(-1)
+        codes = enc["codes"][n0:n1].reshape(-1).view(xp.uint16)
+        if kernels.active(xp, src, codes):     # the compiled encode needs no scratch
+            self.encode_flat(xp, src, codes, {})
+            return
+        words = scratch.reshape(-1).view(xp.uint32)
+        piece = max(1, min(self.chunk, words.size // 3))    # the w, v, t scratch of one piece
+        ws = {name: words[k * piece:(k + 1) * piece] for k, name in enumerate(("w", "v", "t"))}
+        for start in range(0, src.size, piece):
+            self.encode_flat(xp, src[start:start + piece], codes[start:start + piece], ws)

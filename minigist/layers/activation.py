@@ -14,6 +14,13 @@ class ReLU(Layer):
     x > 0, which is what lets Gist keep a 1-bit mask instead of y."""
     type = "ReLU"
     param_field = "relu_param"
+    sparse_output = True
+    elementwise = True
+    mask_backward = True
+
+    @property
+    def gradient_only_where_positive(self):
+        return self.slope == 0.0   # a leaky ReLU passes slope * gy where y <= 0
 
     def setup(self, bottom_shapes):
         self.slope = float(self.p.get("negative_slope", 0.0))
@@ -25,7 +32,7 @@ class ReLU(Layer):
     def inplace_safe(self, bottom_index, top_index):
         return True
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         ws = {}
         if phase == "backward":
             ws["mask"] = TensorDecl(self.top_shapes[0], np.bool_)
@@ -48,21 +55,15 @@ class ReLU(Layer):
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
             return
-        mask, y0 = ws["mask"], y[0]
-        # y may be a stash read slice by slice (Gist's per-sample codecs): go a slice at a time
-        chunk = getattr(y0, "chunk_samples", y0.shape[0])
-        for n0 in range(0, y0.shape[0], chunk):
-            part = slice(n0, n0 + chunk)
-            yp, gyp, gxp = y0[part], gy[0][part], gx[0][part]
-            if self.slope == 0.0 and jit.active(xp, yp, gyp, gxp):
-                # mask and multiply in one compiled pass (minigist/layers/fused_kernels.py)
-                dtype = gyp.dtype.type
-                fused_kernels.relu_grad(yp.reshape(-1), gyp.reshape(-1), gxp.reshape(-1), dtype(1), dtype(0),
-                                        fused_kernels.same_memory(gyp, gxp))
-                continue
-            xp.greater(yp, 0, out=mask[part])
-            self.backward_from_mask(xp, mask[part], gyp, gxp,
-                                    {k: v[part] for k, v in ws.items() if k == "scaled"})
+        mask, y0, gy0, gx0 = ws["mask"], y[0], gy[0], gx[0]
+        if self.slope == 0.0 and jit.active(xp, y0, gy0, gx0):
+            # mask and multiply in one compiled pass (minigist/layers/fused_kernels.py)
+            dtype = gy0.dtype.type
+            fused_kernels.relu_grad(y0.reshape(-1), gy0.reshape(-1), gx0.reshape(-1), dtype(1), dtype(0),
+                                    fused_kernels.same_memory(gy0, gx0))
+            return
+        xp.greater(y0, 0, out=mask)
+        self.backward_from_mask(xp, mask, gy0, gx0, {k: v for k, v in ws.items() if k == "scaled"})
 
     def backward_from_mask(self, xp, mask, gy, gx, ws):
         """gx from the positive mask alone (the form Gist's Binarize codec stores). gx may be
@@ -90,6 +91,7 @@ class Dropout(Layer):
     element); at test time y = x. With scale_train false, the scaling moves to test time."""
     type = "Dropout"
     param_field = "dropout_param"
+    keeps_zeros = True
 
     def setup(self, bottom_shapes):
         self.ratio = float(self.p.get("dropout_ratio", 0.5))
@@ -107,7 +109,7 @@ class Dropout(Layer):
     def inplace_safe(self, bottom_index, top_index):
         return True
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         if phase == "forward" and self.train:
             return {"uniform": TensorDecl(self.bottom_shapes[0])}
         return {}

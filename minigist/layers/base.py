@@ -73,10 +73,11 @@ class Layer:
     is_loss = False
     is_data = False
 
-    def __init__(self, spec, dtype):
+    def __init__(self, spec, dtype, engine=None):
         self.spec = spec
         self.name = spec.name
         self.dtype = dtype
+        self.engine = engine     # the compute engine the graph is built for, where a layer has several
         self.params = []
         self.saved = {}
         self.keeps_bottoms = ()
@@ -113,8 +114,10 @@ class Layer:
         """Check parameters, declare params/saved/keeps; return the top shapes."""
         raise NotImplementedError
 
-    def workspace(self, phase):
-        """Scratch tensors for one call: {name: TensorDecl}; phase is 'forward' or 'backward'."""
+    def workspace(self, phase, gx_needed=None):
+        """Scratch tensors for one call: {name: TensorDecl}; phase is 'forward' or 'backward'.
+        gx_needed (backward): which input gradients the backward step writes, a bool per
+        bottom (None: every one a gradient can flow to)."""
         return {}
 
     def propagates_down(self, index):
@@ -125,8 +128,21 @@ class Layer:
     def has_backward(self):
         return True
 
-    gx_needed = None    # set by build_program before workspace("backward"): which gx are written
     stream_role = "x"   # which stash stream_chunk() is about: the first bottom, or "y" the top
+
+    # facts about values and gradients, which passes may rely on (Gist's codec rules):
+    sparse_output = False   # its top is zero wherever its input is not positive (ReLU)
+    keeps_zeros = False     # its top is as sparse as its bottoms: zeros stay zeros (Concat, Split, ...)
+    elementwise = False     # forward and backward compute each sample alone, and every tensor and
+                            # workspace has the batch first: may run one batch slice at a time
+    mask_backward = False   # backward_from_mask(xp, mask, gy, gx, ws) gives the backward from
+                            # (y[0] > 0) alone, without y
+    gradient_only_where_positive = False    # gx = gy where y[0] > 0, and 0 elsewhere
+
+    def argmax_positions(self):
+        """The count of window positions K when its saved "argmax" holds, per output, the
+        position 0..K-1 of the input that backward sends the gradient to; else None."""
+        return None
 
     def stream_chunk(self):
         """Samples of its first bottom (top, with stream_role "y") the backward reads at a
@@ -141,10 +157,11 @@ class Layer:
         decoded float32 copy."""
         return False
 
-    def writes_half(self):
-        """Whether forward(..., half=codes) writes its first top's DPR fp16 codes (the bytes
-        DPR("fp16") would encode, into `codes`, a float16 array of the top's shape) as it
-        computes the top: Gist then runs no encode step for that stash (BatchNorm's x_hat)."""
+    def emits_top_slices(self):
+        """Whether forward(..., emit=f) calls f(n0, n1, scratch) once for each batch slice
+        n0:n1 of its first top as soon as that slice is final (in order, covering the batch),
+        with `scratch` a float32 array of the slice's size that is free until f returns: a pass
+        can then encode the top while it is in cache (BatchNorm's x_hat)."""
         return False
 
     def inplace_safe(self, bottom_index, top_index):

@@ -2,8 +2,9 @@
 and declared facts, and the dispatch of its work to a convolution engine.
 
 Arrays (x, y, gy, gx, weights) come from the executor; every tensor-sized temporary is a
-workspace the engine declares. The layer's `engine` attribute names the engine (set before
-workspaces are asked for); each is an object made once per layer from `ENGINE_TYPES`:
+workspace the engine declares. The graph is built for an engine (build_graph's `conv`), which
+each layer gets as it is made (`engine`); each is an object made once per layer from
+`ENGINE_TYPES`:
 
 - "im2col" (minigist/layers/conv_im2col.py): im2col columns and BLAS GEMMs, in batch chunks;
 - "onednn" (minigist/layers/conv_onednn.py): oneDNN's direct kernels (minigist/onednn.py).
@@ -11,7 +12,7 @@ workspaces are asked for); each is an object made once per layer from `ENGINE_TY
 An engine is made from the layer, `Engine(layer)`, reads its shapes (`geometry`,
 minigist/layers/conv_geometry.py) and settings from it, and answers:
 
-- `workspace(phase)`: its workspaces, name -> TensorDecl;
+- `workspace(phase, gx_needed)`: its workspaces, name -> TensorDecl;
 - `forward(xp, x, y, weights, bias, ws)`, `backward(xp, x, weights, gy, gx, gw, gb, ws)`
   (x given only with gw; gx, gw and gb may be None);
 - `fuses_bias_gradient(weight_grad)`: whether its backward computes gb itself;
@@ -54,7 +55,9 @@ class Convolution(Layer):
     chunk_bytes = 8 << 20       # target size of one chunk's im2col columns
     gw_block_bytes = 1 << 20    # target size of the partial weight gradient of a later chunk
     ENGINES = tuple(ENGINE_TYPES)
-    engine = "im2col"           # a key of ENGINE_TYPES: set before workspaces are asked for
+
+    def __init__(self, spec, dtype, engine=None):
+        super().__init__(spec, dtype, engine or "im2col")     # a key of ENGINE_TYPES
 
     def setup(self, bottom_shapes):
         p = self.p
@@ -138,8 +141,8 @@ class Convolution(Layer):
         sample can be decoded one such slice at a time (minigist.codecs.segmented)."""
         return self.conv_engine().stream_chunk()
 
-    def workspace(self, phase):
-        return self.conv_engine().workspace(phase)
+    def workspace(self, phase, gx_needed=None):
+        return self.conv_engine().workspace(phase, gx_needed)
 
     def forward(self, xp, x, y, p, saved, ws):
         self.conv_engine().forward(xp, x[0], y[0], p[0], p[1] if self.bias_term else None, ws)

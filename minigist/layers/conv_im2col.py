@@ -174,7 +174,7 @@ class Im2colEngine:
         """The bias gradient is left to the layer: no GEMM here produces it."""
         return False
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         layer = self.layer
         geom = layer.geometry
         n, c, h, w = layer.in_shape

@@ -43,12 +43,12 @@ class OneDNNEngine:
         """oneDNN sums the bias gradient with dW."""
         return weight_grad
 
-    def workspace(self, phase):
-        """Its blocked copies and scratchpad, as bytes."""
+    def workspace(self, phase, gx_needed=None):
+        """Its blocked copies and scratchpad, as bytes (no copies for an input gradient that
+        is not written)."""
         layer = self.layer
         sizes = self.primitives().workspace(
-            phase, weight_grad=layer.params[0].trained,
-            input_grad=layer.gx_needed is None or layer.gx_needed[0])
+            phase, weight_grad=layer.params[0].trained, input_grad=gx_needed is None or gx_needed[0])
         return {name: TensorDecl((nbytes,), np.uint8) for name, nbytes in sizes.items()}
 
     def forward(self, xp, x0, y0, weights, bias, ws):

@@ -9,8 +9,8 @@ class DataLayer(Layer):
     num_tops = (1, 2)
     has_backward = False
 
-    def __init__(self, spec, dtype):
-        super().__init__(spec, dtype)
+    def __init__(self, spec, dtype, engine=None):
+        super().__init__(spec, dtype, engine)
         self.batch_override = None
         self.size_override = None
         self.channels_override = None

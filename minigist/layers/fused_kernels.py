@@ -94,20 +94,6 @@ if numba is not None:
                         square[a, ch, i] = v * v
 
     @_jit
-    def scale_channels_half(y, inv_std, codes):
-        """y *= inv_std[c] (BatchNorm forward's last pass), and codes <- y's DPR fp16 codes
-        (uint16), through F16C only (jit.HALF; without it BatchNorm writes them with numpy's
-        cast, BatchNorm._half_codes)."""
-        n, c, s = y.shape
-        for a in range(n):
-            for ch in range(c):
-                r = inv_std[ch]
-                for i in range(s):
-                    v = y[a, ch, i] * r
-                    y[a, ch, i] = v
-                    codes[a, ch, i] = np.uint16(jit.dpr_half_code(np.float32(v).view(np.uint32)))
-
-    @_jit
     def batchnorm_input_grad(gy, y, mean_gy_y, mean_gy, inv_std, gx, same):
         """gx = ((gy - y * mean_gy_y[c]) - mean_gy[c]) * inv_std[c], y float32 or binary16
         bits; `same`: gx is gy."""

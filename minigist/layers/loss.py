@@ -166,7 +166,7 @@ class Accuracy(_LabelLayer):
     def propagates_down(self, index):
         return False
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         return {"above": TensorDecl(self.bottom_shapes[0], np.bool_)} if phase == "forward" else {}
 
     def forward(self, xp, x, y, p, saved, ws):

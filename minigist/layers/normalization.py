@@ -114,7 +114,7 @@ class BatchNorm(Layer):
     def reads_half(self):
         return not self.use_global      # x_hat, in the product pass and the gx pass
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         if self.use_global:
             return {}
         n, c, s = self.shape3
@@ -141,18 +141,19 @@ class BatchNorm(Layer):
         if not first:
             xp.add(total, part, out=total)
 
-    def writes_half(self):
-        # y is the x_hat its backward reads; DPR encodes float32 only
+    def emits_top_slices(self):
+        # y is the x_hat its backward reads, final slice by slice in the last pass; the
+        # stashes passes encode are float32 ones
         return not self.use_global and self.dtype == np.float32
 
-    def forward(self, xp, x, y, p, saved, ws, half=None):
-        """`half` (writes_half): a float16 array of y's shape, which receives y's DPR fp16
-        codes in the last pass."""
+    def forward(self, xp, x, y, p, saved, ws, emit=None):
+        """`emit` (emits_top_slices): called as emit(n0, n1, scratch) with each final slice
+        of y in the last pass, `scratch` the forward's `square` workspace, free by then."""
         x3 = x[0].reshape(self.shape3)
         y3 = y[0].reshape(self.shape3)
         if self.use_global:
-            if half is not None:
-                raise ValueError(f"{self.name}: with use_global_stats BatchNorm writes no fp16 stash")
+            if emit is not None:
+                raise ValueError(f"{self.name}: with use_global_stats BatchNorm emits no slices")
             mean, inv_std = self._global_stats(xp, p)
             xp.subtract(x3, mean[:, None], out=y3)
             xp.multiply(y3, inv_std[:, None], out=y3)
@@ -191,35 +192,11 @@ class BatchNorm(Layer):
         xp.add(var, self.eps, out=inv_std)
         xp.sqrt(inv_std, out=inv_std)
         xp.reciprocal(inv_std, out=inv_std)
-        codes = half.reshape(self.shape3).view(xp.uint16) if half is not None else None
-        fused = codes is not None and jit.HALF and jit.active(xp, y3, inv_std, codes)
         for n0 in starts:
             yc = y3[n0:n0 + chunk]
-            if fused:
-                fused_kernels.scale_channels_half(yc, inv_std, codes[n0:n0 + chunk])
-                continue
             xp.multiply(yc, inv_std[:, None], out=yc)
-            if codes is not None:
-                self._half_codes(xp, yc, codes[n0:n0 + chunk], square)
-
-    @staticmethod
-    def _half_codes(xp, y, codes, scratch):
-        """codes <- DPR("fp16")'s codes of the float32 y: IEEE binary16 rounded to nearest
-        even, each NaN as the codec's quiet NaN 0x7E00 with the sign of y's value (numpy's
-        cast keeps payload bits, CUDA's drops the sign). scratch: the forward's `square`
-        workspace, free by now (3 of its 4 bytes per element hold the signs and the NaN
-        flags)."""
-        m = y.size
-        raw = scratch.reshape(-1).view(xp.uint8)
-        sign = raw[:2 * m].view(xp.uint16).reshape(y.shape)
-        nan = raw[2 * m:3 * m].view(xp.bool_).reshape(y.shape)
-        with np.errstate(over="ignore", invalid="ignore"):     # beyond 65504: Inf, as DPR
-            xp.copyto(codes.view(xp.float16), y, casting="same_kind")
-        xp.isnan(y, out=nan)
-        xp.right_shift(y.view(xp.uint32), 16, out=sign, casting="unsafe")
-        xp.bitwise_and(sign, 0x8000, out=sign)
-        xp.bitwise_or(sign, 0x7E00, out=sign)
-        xp.copyto(codes, sign, where=nan)
+            if emit is not None:
+                emit(n0, n0 + yc.shape[0], square[:yc.shape[0]])
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
@@ -336,7 +313,7 @@ class Scale(Layer):
     def _chunk(self):
         return self.stream_chunk() or self.shape3[0]
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         if phase == "backward" and self.scale_trained:
             outer, count, inner = self.shape3
             return {"product": TensorDecl((self._chunk(), count, inner)), "part": TensorDecl((count,)),
@@ -413,6 +390,8 @@ class LRN(Layer):
     can be decoded one chunk at a time (`stream_chunk`). The spatial window is summed
     separably (rows, then columns) through the same workspaces."""
     type = "LRN"
+    # x * scale^-beta with scale >= k (or 1) > 0, either norm_region: zero exactly where x is
+    keeps_zeros = True
     param_field = "lrn_param"
     chunk_bytes = 4 << 20       # target size of one chunk-sized workspace
 
@@ -450,7 +429,7 @@ class LRN(Layer):
         per_sample = c * inner * np.dtype(self.dtype).itemsize
         return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         n, c, inner = self.shape3
         chunk = (self.stream_chunk(), c, inner)
         names = ("square", "scale") if phase == "forward" else ("scale", "ratio", "power")

@@ -138,6 +138,16 @@ class Pooling(Layer):
         value = int(p.get(name, default))
         return value, value
 
+    @property
+    def keeps_zeros(self):
+        return self.method == "MAX"    # the max of a window of zeros and positives
+
+    def argmax_positions(self):
+        if self.method != "MAX":
+            return None
+        kernel_h, kernel_w = self.kernel
+        return kernel_h * kernel_w
+
     # ---- geometry ----------------------------------------------------------------------
     @property
     def _global(self):
@@ -177,7 +187,7 @@ class Pooling(Layer):
         per_sample = c * max(hb * wb if self.needs_buffer else 0, oh * ow) * np.dtype(self.dtype).itemsize
         return max(1, min(n, self.chunk_bytes // max(per_sample, 1)))
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         n, c = self.in_shape[:2]
         ws = {}
         if self._global:

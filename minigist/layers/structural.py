@@ -14,6 +14,7 @@ def _axis(layer, axis, ndim):
 @register
 class Concat(Layer):
     type = "Concat"
+    keeps_zeros = True
     param_field = "concat_param"
     num_bottoms = (1, None)
 
@@ -71,7 +72,7 @@ class Eltwise(Layer):
             self.saved = {"argmax": TensorDecl(bottom_shapes[0], np.uint8)}
         return [bottom_shapes[0]]
 
-    def workspace(self, phase):
+    def workspace(self, phase, gx_needed=None):
         if self.operation == "MAX":
             return {"mask": TensorDecl(self.top_shapes[0], np.bool_)}
         if self.operation == "SUM" and phase == "forward" and any(c != 1.0 for c in self.coeff[1:]):
@@ -132,6 +133,7 @@ class Eltwise(Layer):
 @register
 class Flatten(Layer):
     type = "Flatten"
+    keeps_zeros = True
     param_field = "flatten_param"
 
     def setup(self, bottom_shapes):
@@ -157,6 +159,7 @@ class Flatten(Layer):
 class Split(Layer):
     """Copies one blob to several tops (Caffe inserts it automatically; files rarely name it)."""
     type = "Split"
+    keeps_zeros = True
     num_tops = (1, None)
 
     def setup(self, bottom_shapes):

@@ -1,7 +1,8 @@
 """Where each buffer of a program lives, under one of three allocation modes.
 
 - none: every buffer its own bytes (the reference, as in a framework without a planner);
-- static: in-place sharing, then StaticPlanner offsets, all fixed before running;
+- static: in-place sharing (the pairs of minigist.passes.inplace), then StaticPlanner
+  offsets, all fixed before running;
 - dynamic: in-place sharing, then a Pool that allocates each buffer before its first use and
   frees it after its last use, replayed here on integers (the executor replays the same calls
   on the real arena while it runs).
@@ -12,7 +13,7 @@ start of the arena in every mode; the plan covers the per-iteration rest.
 from dataclasses import dataclass
 
 from ..errors import MemoryBudgetError
-from ..program import ENCODED, INPUT, names_in
+from ..program import ENCODED
 
 # Gist's encoded stashes: made in the forward pass, kept into the backward (a pool hint).
 # (FP32 stashes too was measured worse: they are the big buffers the holes are for.)
@@ -35,28 +36,6 @@ class Group:
     long_lived: bool = False    # holds an encoded stash (kept into the backward): a pool hint
 
 
-def inplace_pairs(program):
-    """(input buffer, output buffer) pairs where a step may write its output over its input:
-    the layer allows it, the input is read by no later step, and the sizes match."""
-    buffers = program.buffers
-    pairs = []
-    for index, step in enumerate(program.steps):
-        if step.kind not in ("forward", "backward") or not step.layer.inplace_safe(0, 0):
-            continue
-        source_role, target_role = ("x", "y") if step.kind == "forward" else ("gy", "gx")
-        sources, targets = step.args[source_role], step.args[target_role]
-        if not sources or not targets or sources[0] is None or targets[0] is None:
-            continue
-        source, target = buffers[sources[0]], buffers[targets[0]]
-        other_reads = [name for role in ("x", "y", "gy", "saved", "p") if role in step.args
-                       for name in names_in(step.args[role])]
-        if (source.last_use == index and target.first_use == index and source.nbytes == target.nbytes
-                and source.category != INPUT and not source.persistent
-                and other_reads.count(source.name) == 1):
-            pairs.append((source.name, target.name))
-    return pairs
-
-
 def storage_groups(program, inplace):
     """Group the per-iteration buffers into storages: in-place chains merged when `inplace`."""
     transient = [b for b in program.buffers.values() if not b.persistent]
@@ -69,7 +48,9 @@ def storage_groups(program, inplace):
         return name
 
     if inplace:
-        for source, target in inplace_pairs(program):
+        if program.inplace is None:
+            raise ValueError("the in-place pass (minigist.passes.inplace.mark_inplace) has not run on this program")
+        for source, target in program.inplace:
             parent[root(target)] = root(source)
     groups, by_root = [], {}
     for buffer in transient:

@@ -1,0 +1,189 @@
+"""The step kinds the Gist pass inserts, and how each one runs.
+
+A step that carries an `op` is bound by it (`op.bind(step, arrays, xp, stats)` returns the
+no-argument callable the executor runs); the executor knows nothing else about them. `stats`
+is the run's GistStats, which the encode steps report to.
+
+- Encode / Decode: a codec's encode after the tensor's producer, its decode before the first
+  backward reader;
+- WriteCodes: a forward step whose layer emits its top slice by slice as each becomes final
+  (Layer.emits_top_slices): the codec encodes each slice while it is in cache, so no encode
+  step reads the tensor again;
+- MaskBackward / IdentityBackward: a backward that reads its stash in encoded form, through
+  the layer's own facts (Layer.mask_backward: from the 1-bit mask; gradient_only_where_positive:
+  the fused ReLU->MaxPool code already dropped the gradient, so the backward is a copy);
+- StreamedBackward: a backward that reads a stash encoded per sample, one batch slice at a
+  time, decoding each slice as it is read.
+"""
+from ..executor import arrays_for
+
+
+class GistStats:
+    """What the encode steps saw: the densest SSDC input per tensor, and the fallbacks taken
+    when a batch was denser than the plan's bound (the FP32 tensor is then copied outside the
+    planned memory until its decode, so nothing is corrupted; each case is counted)."""
+
+    def __init__(self):
+        self.density = {}
+        self.fallbacks = 0
+        self.fallback_bytes = 0
+        self.fallback_tensors = set()
+        self._kept = {}
+
+    def record_density(self, tensor, density):
+        self.density[tensor] = max(self.density.get(tensor, 0.0), float(density))
+
+    def fallback(self, tensor, x):
+        self.fallbacks += 1
+        self.fallback_bytes += x.nbytes
+        self.fallback_tensors.add(tensor)
+        self._kept[tensor] = x.copy()
+
+    def fallback_for(self, tensor):
+        """The FP32 copy kept because `tensor` did not fit its plan this iteration, or None."""
+        return self._kept.get(tensor)
+
+    def drop_fallback(self, tensor):
+        self._kept.pop(tensor, None)
+
+
+class StreamedStash:
+    """A stash encoded per sample, read by a backward step one batch slice at a time:
+    `reader[n0:n1]` decodes samples n0..n1-1 into the slice buffer and returns them."""
+
+    def __init__(self, xp, codec, enc, ws, buffer, stats, tensor):
+        self.xp, self.codec, self.enc, self.ws = xp, codec, enc, ws
+        self.buffer, self.stats, self.tensor = buffer, stats, tensor
+        self.chunk_samples = buffer.shape[0]
+        self.shape = (codec.batch,) + tuple(buffer.shape[1:])
+        self.dtype = buffer.dtype
+
+    def __getitem__(self, index):
+        start, stop, step = index.indices(self.shape[0])
+        if step != 1 or stop - start > self.chunk_samples:
+            raise IndexError(f"{self.tensor}: read at most {self.chunk_samples} consecutive samples at a time")
+        kept = self.stats.fallback_for(self.tensor) if self.stats is not None else None
+        if kept is not None:
+            return kept[start:stop]
+        out = self.buffer[:stop - start]
+        self.codec.decode_slice(self.xp, self.enc, start, stop, out, self.ws)
+        return out
+
+
+class Encode:
+    def __init__(self, codec, tensor):
+        self.codec, self.tensor = codec, tensor
+
+    def bind(self, step, arrays, xp, stats):
+        codec, tensor = self.codec, self.tensor
+        enc, ws = arrays_for(arrays, step.args["enc"]), arrays_for(arrays, step.args["ws"])
+        inputs = arrays_for(arrays, step.args["x"])
+        x = inputs[0] if len(inputs) == 1 else tuple(inputs)
+
+        def encode():
+            stats.drop_fallback(tensor)
+            if codec.data_dependent:          # record what its capacity had to hold
+                fitted, density = codec.encode_measured(xp, x, enc, ws)
+                stats.record_density(tensor, density)
+            else:
+                fitted = codec.encode(xp, x, enc, ws)
+            if fitted is False:
+                stats.fallback(tensor, x)
+        return encode
+
+
+class Decode:
+    def __init__(self, codec, tensor):
+        self.codec, self.tensor = codec, tensor
+
+    def bind(self, step, arrays, xp, stats):
+        codec, tensor = self.codec, self.tensor
+        enc, ws = arrays_for(arrays, step.args["enc"]), arrays_for(arrays, step.args["ws"])
+        out = arrays[step.args["out"]]
+
+        def decode():
+            kept = stats.fallback_for(tensor)
+            if kept is not None:
+                xp.copyto(out, kept)
+            else:
+                codec.decode(xp, enc, out, ws)
+        return decode
+
+
+def _layer_arrays(step, arrays, roles):
+    return [arrays_for(arrays, step.args[role]) for role in roles]
+
+
+class WriteCodes:
+    """The forward step of a layer that emits its first top slice by slice: each final slice
+    is encoded at once (`codec.encode_slice`, with the scratch the layer hands over)."""
+
+    def __init__(self, codec):
+        self.codec = codec
+
+    def bind(self, step, arrays, xp, stats):
+        layer, codec = step.layer, self.codec
+        x, y, p, saved, ws = _layer_arrays(step, arrays, ("x", "y", "p", "saved", "ws"))
+        enc = arrays_for(arrays, step.args["enc"])
+        top = y[0]
+
+        def emit(n0, n1, scratch):
+            codec.encode_slice(xp, top[n0:n1], enc, n0, n1, scratch)
+        return lambda: layer.forward(xp, x, y, p, saved, ws, emit=emit)
+
+
+class MaskBackward:
+    """The backward from the decoded 1-bit mask of the kept top (Layer.mask_backward)."""
+
+    def bind(self, step, arrays, xp, stats):
+        layer = step.layer
+        mask, gy, gx = arrays[step.args["y"][0]], arrays[step.args["gy"][0]], arrays_for(arrays, step.args["gx"])[0]
+        ws = arrays_for(arrays, step.args["ws"])
+        return lambda: layer.backward_from_mask(xp, mask, gy, gx, ws)
+
+
+class IdentityBackward:
+    """gx = gy: the fused ReLU->MaxPool code made the pool's backward drop the gradient
+    wherever the ReLU's output was not positive (Layer.gradient_only_where_positive)."""
+
+    def bind(self, step, arrays, xp, stats):
+        gy, gx = arrays[step.args["gy"][0]], arrays_for(arrays, step.args["gx"])[0]
+        return lambda: None if gx is gy or gx is None else xp.copyto(gx, gy)
+
+
+class StreamedBackward:
+    """A backward whose stashes in `streams` ({slice buffer: (codec, tensor, enc, ws)}) are
+    encoded per sample. A layer that reads them slice by slice itself (Layer.stream_chunk)
+    gets a StreamedStash in their place; an elementwise layer (Layer.elementwise) runs once
+    per slice of the stash, on that slice of every tensor."""
+
+    def __init__(self, streams):
+        self.streams = streams
+
+    def bind(self, step, arrays, xp, stats):
+        layer = step.layer
+        roles = ("x", "y", "gy", "gx", "p", "gp", "saved", "ws")
+        bound = _layer_arrays(step, arrays, roles)
+        chunk = None
+        for name, (codec, tensor, encoded, ws) in self.streams.items():
+            reader = StreamedStash(xp, codec, arrays_for(arrays, encoded), arrays_for(arrays, ws), arrays[name],
+                                   stats, tensor)
+            chunk = reader.chunk_samples if chunk is None else min(chunk, reader.chunk_samples)
+            for role in (0, 1):     # x, y
+                bound[role] = [reader if n == name else a for n, a in zip(step.args[roles[role]], bound[role])]
+        if not layer.elementwise:
+            return lambda: layer.backward(xp, *bound)
+        x, y, gy, gx, p, gp, saved, ws = bound
+        batch = next(a for a in (*y, *x) if a is not None).shape[0]
+
+        def cut(values, part):
+            if isinstance(values, dict):
+                return {key: value[part] for key, value in values.items()}
+            return [None if value is None else value[part] for value in values]
+
+        def run():
+            for n0 in range(0, batch, chunk):
+                part = slice(n0, n0 + chunk)
+                layer.backward(xp, cut(x, part), cut(y, part), cut(gy, part), cut(gx, part), p, gp,
+                               cut(saved, part), cut(ws, part))
+        return run

@@ -1,0 +1,184 @@
+"""The one pipeline: model file -> graph -> passes -> plan, shared by Net, plan-only reports
+and train.py.
+
+    compiled = compile("models/resnet20.prototxt", Options(batch_size=32, gist="lossless"))
+    compiled.plan.footprint_bytes       # exact, before anything is allocated
+
+`compile` builds the graph of one phase (or takes one already built), runs the passes in
+order (passes/backward.py, then for training passes/gist.py, then passes/inplace.py) and
+plans the program's memory. Options is frozen: a changed setting (densities measured by a
+calibration, a new budget) is a new Options, and a new compile.
+"""
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from . import onednn
+from .codecs import GistConfig
+from .errors import MinigistError
+from .graph import build_graph
+from .layers.conv import Convolution
+from .memory.plan import MODES, MemoryPlan
+from .memory.report import footprint_report
+from .passes.backward import build_program
+from .passes.gist import apply_gist
+from .passes.inplace import mark_inplace
+
+UPDATES = ("separate", "fused")
+CONV_ENGINES = Convolution.ENGINES
+CONV_CHOICES = ("auto",) + CONV_ENGINES
+
+
+def _frozen_items(mapping):
+    return tuple(sorted(dict(mapping or {}).items()))
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a compile depends on besides the model file.
+
+    overrides: {layer or stashed tensor name: encoding name}; densities: {tensor name: the
+    largest fraction of non-zeros SSDC plans for}; budget: bytes the plan must fit (None: no
+    limit); conv: an engine of CONV_CHOICES ("auto" is settled by `resolve_conv`)."""
+    batch_size: int = None
+    input_size: int = None
+    input_channels: int = None
+    device: str = "cpu"
+    dtype: object = np.float32
+    conv: str = "im2col"
+    alloc: str = "static"
+    gist: str = "none"
+    dpr: str = "fp16"
+    binarize: str = "fused"
+    overrides: tuple = field(default=())
+    update: str = "separate"
+    budget: int = None
+    densities: tuple = field(default=())
+    add_loss: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "overrides", _frozen_items(self.overrides))
+        object.__setattr__(self, "densities", _frozen_items(self.densities))
+        if self.alloc not in MODES:
+            raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {self.alloc!r}")
+        if self.update not in UPDATES:
+            raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {self.update!r}")
+        if self.conv not in CONV_CHOICES:
+            raise MinigistError(f"--conv: expected one of {', '.join(CONV_CHOICES)}, got {self.conv!r}")
+        self.gist_config()
+
+    def gist_config(self):
+        """The GistConfig these options describe (a MinigistError for an unknown mode)."""
+        try:
+            return GistConfig(self.gist, self.dpr, self.binarize, dict(self.overrides), dict(self.densities))
+        except ValueError as exc:
+            raise MinigistError(str(exc)) from None
+
+    def replace(self, **changes):
+        return replace(self, **changes)
+
+
+@dataclass
+class Compiled:
+    """One phase compiled: its graph, its program after every pass, and the program's plan."""
+    graph: object
+    program: object
+    plan: MemoryPlan
+    conv: str                 # the convolution engine the plan was made for
+
+
+def build(model, options, phase="TRAIN", xp=np):
+    """The graph of `phase`, its Convolution layers made for the engine `options.conv` settles
+    on; returns (graph, engine)."""
+    conv = check_conv_engine(options.conv, xp, options.dtype)
+    graph = build_graph(model, phase, options.batch_size, options.input_size, options.dtype,
+                        add_loss=options.add_loss, input_channels=options.input_channels, conv=conv)
+    return graph, conv
+
+
+def run_passes(graph, options, phase="TRAIN", calibrating=False):
+    """The passes in order: the backward program (an inference program for TEST), Gist's
+    schedule (training only; `calibrating` plans every SSDC candidate at full capacity so that
+    a run can measure its density), then the in-place pairs."""
+    train = phase == "TRAIN"
+    program = build_program(graph, train=train, fused_update=options.update == "fused")
+    if train:
+        program = apply_gist(program, options.gist_config(), calibrating)
+    return mark_inplace(program)
+
+
+def compile(model, options=Options(), phase="TRAIN", graph=None, calibrating=False, xp=np):
+    """Compiled(graph, program, plan) of `model` in `phase` under `options`; `graph`, when
+    given, is that phase's graph already built (its layers keep their state)."""
+    if graph is None:
+        graph, conv = build(model, options, phase, xp)
+    else:
+        conv = resolve_conv(options.conv, xp, options.dtype)
+    program = run_passes(graph, options, phase, calibrating)
+    return Compiled(graph, program, MemoryPlan(program, options.alloc), conv)
+
+
+def resolve_conv(conv, xp=np, dtype=np.float32):
+    """The engine `conv` names: "auto" is oneDNN where it can run (the library loads, the CPU,
+    float32), im2col otherwise; the others are themselves."""
+    if conv != "auto":
+        return conv
+    usable = onednn.available() and xp is np and np.dtype(dtype) == np.float32
+    return "onednn" if usable else "im2col"
+
+
+def check_conv_engine(conv, xp=np, dtype=np.float32):
+    """The --conv engine ("auto" resolved by resolve_conv), checked against the device and the
+    dtype (oneDNN's blocked copies replace the im2col columns in the plan)."""
+    if conv not in CONV_CHOICES:
+        raise MinigistError(f"--conv: expected one of {', '.join(CONV_CHOICES)}, got {conv!r}")
+    conv = resolve_conv(conv, xp, dtype)
+    if conv == "onednn":
+        if not onednn.available():
+            raise MinigistError(f"--conv onednn: {onednn.unavailable_reason()}")
+        if xp is not np:
+            raise MinigistError("--conv onednn runs on the CPU only (--device cpu)")
+        if np.dtype(dtype) != np.float32:
+            raise MinigistError(f"--conv onednn runs float32 only, not {np.dtype(dtype).name}")
+    return conv
+
+
+def report_extra(config, update, conv, graph):
+    """The report's fields that say what the plan was made for."""
+    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update,
+             "conv": conv}
+    if graph.added_loss:
+        extra["added_loss"] = graph.added_loss
+    return extra
+
+
+def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
+                   gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
+                   conv="im2col", add_loss=False, input_channels=None):
+    """The footprint report of one training iteration, computed from shapes alone: no array
+    is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
+    (measured densities: a plan cannot see data)."""
+    options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels, dtype=dtype,
+                      conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, update=update,
+                      densities=ssdc_density, add_loss=add_loss)
+    return plan_report(model, options)
+
+
+def plan_report(model, options):
+    """plan_footprint's report for `options`: the training plan, with the evaluation part."""
+    train = compile(model, options, "TRAIN")
+    evaluation = compile(model, options, "TEST")
+    report = footprint_report(train.plan, model=str(model), parameters=train.graph.param_count(),
+                              extra=report_extra(options.gist_config(), options.update, train.conv, train.graph))
+    return with_evaluation(report, train.plan, evaluation.plan, evaluation.graph)
+
+
+def with_evaluation(report, train_plan, eval_plan, test_graph):
+    """The report with the evaluation program's part: the TEST phase runs at its own batch size
+    (a Caffe file may give TEST another one than TRAIN) in the arena's per-iteration part, which
+    the two programs share, so the arena holds the larger of the two."""
+    report["evaluation"] = {"batch_size": test_graph.batch_size, "transient_bytes": eval_plan.transient_bytes}
+    report["footprint_with_evaluation_bytes"] = (report["footprint_bytes"]
+                                                 + max(0, eval_plan.transient_bytes - train_plan.transient_bytes))
+    return report
