@@ -271,8 +271,9 @@ class Net:
         """Forward and backward on one batch, no update; returns {input blob: the gradient of
         the weighted loss with respect to it} as numpy arrays. Needs `force_backward: true`
         in the model file (Caffe computes input gradients only then)."""
-        names = {key.split(":", 1)[1]: name for key, name in self.programs["train"].outputs.items()
-                 if key.startswith("grad:")}
+        program = self.programs["train"]
+        names = {program.buffers[name].tensor: name for name in program.outputs.values()
+                 if program.buffers[name].kind == "grad"}
         if not names:
             raise MinigistError(f"{self.model}: no input gradients are computed; the model file needs "
                                 "'force_backward: true' (and a loss layer)")

@@ -59,10 +59,8 @@ def _encodings_of(plan, report):
     rows = {row["tensor"]: row["encoding"] for row in (report or {}).get("stash", [])}
     for name, buffer in program.buffers.items():
         if buffer.category == ENCODED and name not in encoded:
-            tensor = name.split(":", 1)[-1]
-            match = max((t for t in rows if tensor == t or tensor.startswith(t + ".")), key=len, default=None)
-            encoded[name] = rows[match] if match is not None else str(buffer.dtype)
-        if buffer.category == STASH and name.startswith("dec:"):
+            encoded[name] = rows.get(buffer.tensor, str(buffer.dtype))
+        if buffer.category == STASH and buffer.kind == "dec":
             decoded.add(name)
     return encoded, decoded
 

@@ -44,9 +44,9 @@ def stash_rows(plan):
     buffers = program.buffers
     for name, buffer in buffers.items():
         encoding = program.encodings.get(name)
-        if encoding is None and (buffer.category != STASH or name.startswith("dec:")):
+        if encoding is None and (buffer.category != STASH or buffer.kind == "dec"):
             continue
-        row = {"layer": buffer.layer, "tensor": name.split(":", 1)[1], "shape": list(buffer.shape),
+        row = {"layer": buffer.layer, "tensor": buffer.tensor, "shape": list(buffer.shape),
                "encoding": "fp32" if buffer.dtype == np.float32 else str(buffer.dtype),
                "raw_bytes": buffer.nbytes, "stored_bytes": align(buffer.nbytes, plan.alignment),
                "first_use": buffer.first_use, "last_use": buffer.last_use}
