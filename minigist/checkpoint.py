@@ -1,4 +1,5 @@
-"""Reading .npz files that may be damaged, and what a checkpoint records to be trusted.
+"""Writing .npz files atomically, reading ones that may be damaged, and what a checkpoint
+records to be trusted.
 
 A zip member's CRC-32 is checked only when the member is read to its end, and a flipped byte
 in an .npy header can shorten what is read; so every file minigist writes also carries a
@@ -7,7 +8,9 @@ the zip layer or the digest notices is one MinigistError naming the file.
 """
 import hashlib
 import json
+import os
 import struct
+import tempfile
 import tokenize
 import zipfile
 import zlib
@@ -41,6 +44,31 @@ def with_digest(arrays):
     out = dict(arrays)
     out[DIGEST_KEY] = np.frombuffer(arrays_digest(arrays).encode("ascii"), dtype=np.uint8)
     return out
+
+
+def save_npz_atomic(path, arrays):
+    """np.savez to a temporary file in the same folder, fsync, then rename over `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            np.savez(out, **arrays)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
 
 
 def read_npz(path, what, require_digest=False):

@@ -22,13 +22,12 @@ with oneDNN it is oneDNN's OpenMP threads and the codec kernels', while BLAS run
 """
 import contextlib
 import os
-import tempfile
 
 import numpy as np
 
 from . import blas
 from .backend import get_xp, to_numpy
-from .checkpoint import read_npz, with_digest
+from .checkpoint import read_npz, save_npz_atomic, with_digest
 from .errors import MinigistError
 from .codecs import GistConfig
 from .densities import MARGIN
@@ -393,31 +392,6 @@ class Net:
     # ---- description --------------------------------------------------------------------
     def summary(self):
         return summary(self.train_graph)
-
-
-def save_npz_atomic(path, arrays):
-    """np.savez to a temporary file in the same folder, fsync, then rename over `path`."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            np.savez(out, **arrays)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
 
 
 def summary(graph):
