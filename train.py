@@ -270,7 +270,8 @@ def main(argv=None):
                       check_config=config_checker(parser, RESUME_KEYS + CONFIG_EXTRA_KEYS),
                       environment_defaults=_SET_HERE)
     try:
-        return trainer.run()
+        trainer.run()
+        return 0
     except MemoryBudgetError as exc:
         sys.stdout.flush()
         print(f"train.py: error: --memory-budget: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -281,8 +281,8 @@ def read_checkpoint(folder, check_config=None):
     if "__order__" not in values or meta["digest"] != arrays_digest(values):
         raise MinigistError(f"--resume: {path} is damaged: its arrays do not match the digest written with them")
     order = values.pop("__order__")
-    bad = next((key for key, value in values.items()
-                if value.dtype.kind not in "fiub" or (value.dtype.kind == "f" and not np.all(np.isfinite(value)))), None)
+    bad = next((key for key, value in values.items() if value.dtype.kind not in "fiub"
+                or (value.dtype.kind == "f" and not np.all(np.isfinite(value)))), None)
     if bad is not None:
         raise MinigistError(f"--resume: {path}: '{bad}' holds NaN, infinite or non-numeric values; it cannot be "
                             f"resumed (start over with --overwrite and a lower --lr)")

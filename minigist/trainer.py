@@ -5,6 +5,8 @@ evaluation, the training loop with its checkpoints, and the lines and JSON log i
 Every line meant for a person goes through the `out` callback (print by default); errors are
 MinigistError (bad input) or MemoryBudgetError, each one line.
 """
+from __future__ import annotations
+
 import copy
 import dataclasses
 import json
@@ -60,33 +62,33 @@ class Options:
     model: str = DEFAULT_MODEL
     data: str = DEFAULT_DATA
     holdout: float = 0.2
-    input_size: int = None
-    batch_size: int = None
+    input_size: int | None = None
+    batch_size: int | None = None
     add_loss: bool = False
-    input_channels: int = None
-    crop_pad: int = None
+    input_channels: int | None = None
+    crop_pad: int | None = None
     flip: str = "auto"
-    epochs: int = None
-    iters: int = None
-    lr: float = None
-    warmup: int = None
+    epochs: int | None = None
+    iters: int | None = None
+    lr: float | None = None
+    warmup: int | None = None
     lr_step: float = DEFAULT_LR_STEP
     lr_gamma: float = DEFAULT_LR_GAMMA
     momentum: float = 0.9
     weight_decay: float = 5e-4
     bn_average: float = 0.9
     seed: int = 0
-    threads: int = None
+    threads: int | None = None
     device: str = "cpu"
     conv: str = "auto"
     alloc: str = "static"
     gist: str = "lossless"
     dpr: str = "fp16"
     update: str = "fused"
-    memory_budget: int = None
+    memory_budget: int | None = None
     densities: str = "auto"
     plan_only: bool = False
-    checkpoint: str = None
+    checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
     resume_if_present: bool = False
@@ -94,10 +96,10 @@ class Options:
     allow_model_change: bool = False
     eval_every: int = 1
     train_eval_size: int = 1000
-    log: str = None
-    report_json: str = None
-    plot: str = None
-    trace: str = None
+    log: str | None = None
+    report_json: str | None = None
+    plot: str | None = None
+    trace: str | None = None
     summary: bool = False
 
 
@@ -165,7 +167,7 @@ def input_channels_for(path, args, data_given, out=print):
     if native is None:
         why = f"--data {args.data} has none of its own" if data_given else "no --data given"
         out(f"input channels: 3 assumed ({args.model}'s data layer states no channel count and {why}; "
-              f"set --input-channels)")
+            f"set --input-channels)")
         return 3
     out(f"input channels: {native}, those of --data {args.data} ({args.model}'s data layer states none)")
     return native
@@ -386,8 +388,8 @@ def engine_lines(net, args, threads_from, conv_asked):
         lines.append(f"conv: im2col, minigist's own (numpy + BLAS){why}")
     if net.xp is np:
         blas_why = "--conv onednn: oneDNN's threads take the cores" if args.conv == "onednn" else threads_from
-        lines.append(f"blas: {blas.describe(with_threads=False)}, {_count(net.blas_threads, 'thread')} during the steps "
-                     f"({blas_why})")
+        lines.append(f"blas: {blas.describe(with_threads=False)}, {_count(net.blas_threads, 'thread')} "
+                     f"during the steps ({blas_why})")
     return lines
 
 
@@ -412,7 +414,7 @@ def plan_for(path, args, alloc=None, gist=None):
 def shapes_only_plan(path, args):
     """A MemoryPlan of the training program built from shapes alone (for --plan-only plots)."""
     graph = build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
-                                 input_channels=args.input_channels)
+                        input_channels=args.input_channels)
     set_conv_engine([graph], args.conv)
     program = build_program(graph, train=True, fused_update=args.update == "fused")
     program = apply_gist(program, GistConfig(args.gist, args.dpr, ssdc_density=getattr(args, "ssdc_density", None)))
@@ -427,7 +429,7 @@ def choose_densities(path, args):
     if args.gist not in ("lossless", "all"):
         return None, None
     graph = build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
-                                 input_channels=args.input_channels)
+                        input_channels=args.input_channels)
     choice, source = args.densities, None
     if choice == "auto":
         bundled = os.path.join(DENSITIES_DIR, os.path.splitext(os.path.basename(path))[0] + ".json")
@@ -522,9 +524,28 @@ class Trainer:
         self.checkpoint_owned = False
 
     def run(self):
-        """Check everything, then plan, summarize or train; returns 0 (errors are raised)."""
-        args, given, out = self.args, self.given, self.out
+        """Check everything, then print the layer table (summary), plan from shapes alone
+        (plan_only) or train. Returns the footprint report (after training, with its
+        "training" entry; None for summary); bad input raises MinigistError."""
+        args = self.args
         np.seterr(all="ignore")     # overflow shows up as a non-finite loss or weight, reported in one line
+        resumed = self._open_checkpoint()
+        schedule_change, threads_from = self._settle_options(resumed)
+        path = resolve_model(args.model)
+        if args.summary or args.plan_only:
+            args.input_channels = input_channels_for(path, args, "data" in self.given, self.out)
+        if args.summary:
+            self.out(summary(build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
+                                         input_channels=args.input_channels)))
+            return None
+        if args.plan_only:
+            return self._plan_only(path)
+        return self._train(path, resumed, schedule_change, threads_from)
+
+    def _open_checkpoint(self):
+        """The flags' checks against the checkpoint folder, before anything else runs; returns
+        the checkpoint to resume (read_checkpoint's triple) or None."""
+        args, out = self.args, self.out
         check_output_paths(args)
         resume_flag = "--resume" if args.resume else "--resume-if-present"
         if (args.resume or args.resume_if_present) and not args.checkpoint:
@@ -536,10 +557,11 @@ class Trainer:
                 raise MinigistError(f"--checkpoint: {args.checkpoint} exists and is not a folder")
             remove_stale_temporaries(args.checkpoint)
         present = bool(args.checkpoint) and os.path.exists(checkpoint_path(args.checkpoint))
-        resumed = read_checkpoint(args.checkpoint, self.check_config) if (args.resume or args.resume_if_present) and present else None
+        wanted = args.resume or args.resume_if_present
+        resumed = read_checkpoint(args.checkpoint, self.check_config) if wanted and present else None
         if args.resume and not present:
-            raise MinigistError(f"--resume: no checkpoint in {args.checkpoint} ({checkpoint_path(args.checkpoint)} does "
-                                f"not exist); check the folder, or pass --resume-if-present to start from scratch "
+            raise MinigistError(f"--resume: no checkpoint in {args.checkpoint} ({checkpoint_path(args.checkpoint)} "
+                                f"does not exist); check the folder, or pass --resume-if-present to start from scratch "
                                 f"when there is none")
         if args.resume_if_present and not present:
             out(f"--resume-if-present: no checkpoint in {args.checkpoint} yet: starting from scratch")
@@ -549,6 +571,12 @@ class Trainer:
             raise MinigistError(f"--checkpoint: {args.checkpoint} already holds a checkpoint{held}; pass --resume to "
                                 f"continue it, or --overwrite to replace it with this new run's")
         self.checkpoint_owned = resumed is not None
+        return resumed
+
+    def _settle_options(self, resumed):
+        """Take a resumed checkpoint's configuration, settle the engine, threads, learning rate
+        and warm-up; returns (the schedule changes this resume makes, where the threads came from)."""
+        args, given = self.args, self.given
         if args.conv == "auto":   # not a choice to hold against a checkpoint's engine
             given = given - {"conv"}
         schedule_change = {}
@@ -559,40 +587,40 @@ class Trainer:
             args.lr = default_lr(args.model)
         if args.warmup is None:
             args.warmup = MODEL_WARMUP.get(args.model, 0)
-        path = resolve_model(args.model)
-        if args.summary or args.plan_only:
-            args.input_channels = input_channels_for(path, args, "data" in given, out)
-        if args.summary:
-            graph = build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
-                                         input_channels=args.input_channels)
-            out(summary(graph))
-            return 0
-        if args.plan_only:
-            densities_source, densities_line = choose_densities(path, args)
-            report = plan_for(path, args)
-            report["model"] = args.model
-            report["densities"] = densities_source
-            if args.memory_budget is not None and report["footprint_bytes"] > args.memory_budget:
-                try:        # the same check as a training run's, with its largest buffers
-                    shapes_only_plan(path, args).check_budget(args.memory_budget)
-                except MemoryBudgetError as exc:
-                    raise MinigistError(f"--memory-budget: {exc}") from None
-                raise MinigistError(f"--memory-budget: the {args.alloc} plan needs {report['footprint_bytes']:,} "
-                                    f"bytes, the budget allows {args.memory_budget:,} bytes")
-            out(format_report(report))
-            if densities_line:
-                out(densities_line)
-            if args.report_json:
-                write_json(report, args.report_json)
-            if args.plot or args.trace:
-                write_visuals(args, shapes_only_plan(path, args), report, out)
-            return 0
+        return schedule_change, threads_from
 
+    def _plan_only(self, path):
+        """The footprint report from shapes alone, checked against the memory budget, printed and written."""
+        args, out = self.args, self.out
+        densities_source, densities_line = choose_densities(path, args)
+        report = plan_for(path, args)
+        report["model"] = args.model
+        report["densities"] = densities_source
+        if args.memory_budget is not None and report["footprint_bytes"] > args.memory_budget:
+            try:        # the same check as a training run's, with its largest buffers
+                shapes_only_plan(path, args).check_budget(args.memory_budget)
+            except MemoryBudgetError as exc:
+                raise MinigistError(f"--memory-budget: {exc}") from None
+            raise MinigistError(f"--memory-budget: the {args.alloc} plan needs {report['footprint_bytes']:,} "
+                                f"bytes, the budget allows {args.memory_budget:,} bytes")
+        out(format_report(report))
+        if densities_line:
+            out(densities_line)
+        if args.report_json:
+            write_json(report, args.report_json)
+        if args.plot or args.trace:
+            write_visuals(args, shapes_only_plan(path, args), report, out)
+        return report
+
+    def _train(self, path, resumed, schedule_change, threads_from):
+        """Data, net, calibration and budget, in that order (bad input fails before memory is
+        allocated), then the training loop with its checkpoints, the final evaluation and report."""
+        args, out = self.args, self.out
         # the data first (from the graph's shapes), so that bad data fails before memory is allocated
         try:
             args.input_channels = input_channels_for(path, args, True, out)
             graph = build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
-                                         input_channels=args.input_channels)
+                                input_channels=args.input_channels)
         except MinigistError as exc:
             if args.input_size is None:
                 raise
@@ -603,7 +631,8 @@ class Trainer:
             change = model_change(resumed[0]["model"], model_now)
             if change and not args.allow_model_change:
                 raise MinigistError(f"--resume: {path} changed since the checkpoint in {args.checkpoint} was written: "
-                                    f"{change}; restore it, or pass --allow-model-change to resume with the edited model")
+                                    f"{change}; restore it, or pass --allow-model-change to resume with the edited "
+                                    f"model")
             if change:
                 out(f"--allow-model-change: resuming with the edited model ({change})")
                 schedule_change["model"] = change
@@ -617,7 +646,8 @@ class Trainer:
             shape, dtype = getattr(exc, "shape", None), getattr(exc, "dtype", None)
             needed = f"{math.prod(shape) * dtype.itemsize:,} bytes for an array {shape}" if shape and dtype else "more"
             raise MinigistError(f"--data: the images of {args.data} at input {'x'.join(map(str, graph.input_shape))} "
-                                f"need {needed}: more memory than this machine can give (a smaller --input-size)") from None
+                                f"need {needed}: more memory than this machine can give (a smaller "
+                                f"--input-size)") from None
         note = class_count_note(data, classes, args.data)
         if note:
             out(note)
@@ -625,9 +655,10 @@ class Trainer:
         # with SSDC in play the budget is checked after calibration, against the measured plan
         calibrates = args.gist in ("lossless", "all")
         net = Net(path, batch_size=args.batch_size, input_size=args.input_size, device=args.device,
-                           seed=args.seed, solver=solver, alloc=args.alloc, threads=args.threads, input_channels=args.input_channels,
-                           memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
-                           **gist_kwargs(args))
+                  seed=args.seed, solver=solver, alloc=args.alloc, threads=args.threads,
+                  input_channels=args.input_channels,
+                  memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
+                  **gist_kwargs(args))
         if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
             raise MinigistError(f"--memory-budget: the weights and optimizer state alone need {net.persistent_bytes:,} "
                                 f"bytes, the budget allows {args.memory_budget:,} bytes")
@@ -680,11 +711,11 @@ class Trainer:
             changes = meta["changes"] + ([dict(schedule_change, iteration=iteration)] if schedule_change else [])
             resumed_losses = meta.get("epoch_losses", [])
             out(f"resumed from {checkpoint_path(args.checkpoint)}: iteration {iteration}, epoch {epoch}"
-                  + (f" + {batch_in_epoch} batches" if batch_in_epoch else ""))
+                + (f" + {batch_in_epoch} batches" if batch_in_epoch else ""))
             for key in RESUME_CHANGEABLE:
                 if key in schedule_change:
                     out(f"--{key.replace('_', '-')} {schedule_change[key][1]:g} from iteration {iteration} on "
-                          f"(was {schedule_change[key][0]:g}; the schedule counts from iteration 0)")
+                        f"(was {schedule_change[key][0]:g}; the schedule counts from iteration 0)")
 
         report = net.report()
         report["model"] = args.model
@@ -692,8 +723,8 @@ class Trainer:
         config = {key: getattr(args, key, None) for key in RESUME_KEYS}
         config.update(epochs=args.epochs, iters=args.iters, alloc=args.alloc, device=args.device)
         out(f"model {args.model}: {graph.param_count():,} parameters, batch {(batch,) + tuple(graph.input_shape)}, "
-              f"{classes} classes, device {args.device}, footprint {_mib(report['footprint_bytes'])} "
-              f"({args.alloc}, gist {args.gist}, conv {net.conv})")
+            f"{classes} classes, device {args.device}, footprint {_mib(report['footprint_bytes'])} "
+            f"({args.alloc}, gist {args.gist}, conv {net.conv})")
         if graph.added_loss:
             out(f"added loss: {graph.added_loss}")
         out(f"layers: {jit.describe(net.xp)}")
@@ -706,7 +737,7 @@ class Trainer:
         schedule = f" x{args.lr_gamma:g} every {args.lr_step:g} epochs" if args.lr_step else ""
         schedule += f", warm-up {args.warmup} iterations" if args.warmup else ""
         out(f"data {data.describe()}; crop pad {args.crop_pad}, flip {args.flip}; {total} iterations "
-              f"({ipe} per epoch), lr {args.lr:g}{schedule}")
+            f"({ipe} per epoch), lr {args.lr:g}{schedule}")
 
         log = Log(args.log, append=resumed is not None)
         log.write("start", config=config, resumed_at=iteration, data=data.describe(),
@@ -812,16 +843,17 @@ class Trainer:
         report = net.report()
         report["model"] = args.model
         report["densities"] = measured_densities
-        report["training"] = {"iterations": iteration, "epochs": round(iteration / ipe, 3), "seconds": round(elapsed, 2),
+        report["training"] = {"iterations": iteration, "epochs": round(iteration / ipe, 3),
+                              "seconds": round(elapsed, 2),
                               "train_images_per_s": round(train_images / max(train_seconds, 1e-9), 2),
                               "heldout": last_eval, "data": data.describe()}
         out("")
         out(f"done: {iteration} iterations ({iteration / ipe:.2f} epochs) in {elapsed:.1f} s this run, "
-              f"{train_images / max(train_seconds, 1e-9):,.1f} training images/s")
+            f"{train_images / max(train_seconds, 1e-9):,.1f} training images/s")
         if last_eval and "accuracy" in last_eval:
             out(f"held-out accuracy {last_eval['accuracy']:.4f} ({last_eval['correct']}/{last_eval['samples']}), "
-                  f"loss {last_eval.get('loss', float('nan')):.4f}; held-out split: {args.holdout:g} of every class of "
-                  f"{args.data}, fixed split seed 0")
+                f"loss {last_eval.get('loss', float('nan')):.4f}; held-out split: {args.holdout:g} of every class of "
+                f"{args.data}, fixed split seed 0")
         out(format_report(report))
         for line in footprint_lines(path, args, report):
             out(line)
@@ -833,7 +865,7 @@ class Trainer:
         log.write("end", iterations=iteration, seconds=round(elapsed, 2), heldout=last_eval,
                   footprint_bytes=report["footprint_bytes"])
         log.close()
-        return 0
+        return report
 
     def interrupted_note(self):
         """What Ctrl-C leaves: which iteration the checkpoint holds and the command that resumes it."""
@@ -851,5 +883,6 @@ class Trainer:
 
 
 def run(out=print, **settings):
-    """Train with the Options fields given as keywords (the others at their defaults); returns 0."""
+    """Train (or plan, or summarize) with the Options fields given as keywords, the others at
+    their defaults; returns Trainer.run's report."""
     return Trainer(Options(**settings), given=settings, out=out).run()

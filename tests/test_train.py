@@ -2,6 +2,7 @@
 memory pictures, and one-line errors. Kept small: tiny models, tiny images, a few iterations."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -234,6 +235,25 @@ def test_synthetic_data_and_eval_every(tiny):
 def final_weights(folder):
     with np.load(os.path.join(folder, CHECKPOINT_NAME), allow_pickle=False) as stored:
         return {k: stored[k] for k in stored.files if not k.startswith("__")}
+
+
+def test_trainer_from_python_trains_as_train_py_does(tiny, tmp_path):
+    """minigist.trainer.run takes the flags' names as keywords: the same lines, the same weights."""
+    settings = {"data": "synthetic", "holdout": 0.02, "iters": 3, "train_eval_size": 0, "conv": "im2col"}
+    lines = []
+    report = trainer.run(model=tiny, checkpoint=str(tmp_path / "python"), out=lines.append, **settings)
+    assert report["training"]["iterations"] == 3
+    flags = [arg for key, value in settings.items() for arg in ("--" + key.replace("_", "-"), value)]
+    result = run_cli("--model", tiny, "--checkpoint", tmp_path / "cli", *flags)
+    assert result.returncode == 0, result.stderr
+    timing = re.compile(r"[0-9,.]+ (img/s|s this run|training images/s)")
+    shown = [timing.sub("", line.replace(str(tmp_path / "python"), "DIR"))
+             for entry in lines for line in entry.split("\n")]
+    printed = [timing.sub("", line.replace(str(tmp_path / "cli"), "DIR")) for line in result.stdout.splitlines()]
+    assert shown == [line for line in printed if line != jit.COMPILE_NOTICE]
+    python_weights, cli_weights = final_weights(tmp_path / "python"), final_weights(tmp_path / "cli")
+    assert python_weights.keys() == cli_weights.keys()
+    assert all(np.array_equal(python_weights[key], cli_weights[key]) for key in python_weights)
 
 
 @pytest.mark.slow
