@@ -12,6 +12,8 @@ image, an input size the model cannot take, sizes beyond this machine's memory, 
 too small, an unwritable output path, a damaged checkpoint) ends with a one-line error and exit
 status 2; so does a loss that becomes NaN or infinite (the last checkpoint, every value in it
 finite, is kept, with the command that resumes it at a lower learning rate).
+
+This file parses the flags and prints; the run itself is minigist.trainer (Trainer, run).
 """
 import argparse
 import dataclasses

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from . import blas, datasets, jit, onednn
+from . import SGD, blas, datasets, jit, onednn     # SGD by its public name, wherever its module is
 from .backend import get_xp
 from .checkpoint import (CHECKPOINT_FORMAT, RESUME_CHANGEABLE, RESUME_KEYS, apply_checkpoint_config,
                          checkpoint_iteration, checkpoint_path, json_default, model_change, model_definition,
@@ -28,7 +28,6 @@ from .codecs import GistConfig
 from .codecs import kernels as codec_kernels
 from .densities import MARGIN, planned, read_densities
 from .errors import MemoryBudgetError, MinigistError
-from .executor import SGD
 from .gist import apply_gist
 from .graph import build_graph
 from .memory.available import check_fits
