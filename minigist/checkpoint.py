@@ -1,5 +1,5 @@
-"""Writing .npz files atomically, reading ones that may be damaged, and what a checkpoint
-records to be trusted.
+"""Writing .npz files atomically, reading ones that may be damaged, and a training run's
+checkpoint folder: its format, its atomic write and the checks a resume makes.
 
 A zip member's CRC-32 is checked only when the member is read to its end, and a flipped byte
 in an .npy header can shorten what is read; so every file minigist writes also carries a
@@ -21,6 +21,8 @@ from .errors import MinigistError
 from .prototxt import parse_file
 
 DIGEST_KEY = "__digest__"
+CHECKPOINT_NAME = "checkpoint.npz"
+CHECKPOINT_FORMAT = 2     # 2: a digest of the arrays, the model's definition, the changes made on resumes
 
 # what a damaged zip or .npy member raises inside np.load and zipfile
 _DAMAGE = (OSError, ValueError, KeyError, EOFError, IndexError, TypeError, OverflowError,
@@ -196,3 +198,174 @@ def model_change(then, now):
                 return f"{where}: {key} was {_shown(before.get(key))}, is now {_shown(after.get(key))}"
         return f"{where} changed"
     return "the layer order changed"
+
+
+# ---- a training run's checkpoint folder ----------------------------------------------------
+# the configuration a checkpoint records; a resumed run takes it for the settings it does not give
+RESUME_KEYS = ("model", "data", "holdout", "input_size", "batch_size", "crop_pad", "flip", "lr", "warmup", "lr_step",
+               "lr_gamma", "momentum", "weight_decay", "bn_average", "seed", "gist", "dpr", "conv", "threads",
+               "add_loss")
+CONFIG_EXTRA_KEYS = ("epochs", "iters", "alloc", "device")
+# what a resume may change: the learning-rate schedule (e.g. after a NaN loss)
+RESUME_CHANGEABLE = ("lr", "warmup", "lr_step", "lr_gamma")
+
+# what a checkpoint's metadata holds, key by key (check_fields)
+META_SCHEMA = {"format": "int", "config": "dict", "data": "dict", "iteration": "count", "epoch": "count",
+               "batch_in_epoch": "count", "data_rng": "dict?", "net_rng": "dict?", "history": "list",
+               "epoch_losses": "list", "digest": "str", "model": "list", "changes": "list"}
+
+
+def json_default(value):
+    """numpy scalars and arrays as JSON (json.dumps's `default`)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serializable: {type(value)}")
+
+
+def checkpoint_path(folder):
+    return os.path.join(folder, CHECKPOINT_NAME)
+
+
+def write_checkpoint(folder, state, meta, order):
+    """Write FOLDER's checkpoint atomically: the net's `state`, the epoch `order` (None at an
+    epoch end) and `meta` with the digest of the arrays added."""
+    arrays = dict(state)
+    arrays["__order__"] = np.asarray(order if order is not None else [], dtype=np.int64)
+    meta = dict(meta, digest=arrays_digest(arrays))
+    arrays["__meta__"] = np.frombuffer(json.dumps(meta, default=json_default).encode("utf-8"), dtype=np.uint8)
+    path = checkpoint_path(folder)
+    try:
+        save_npz_atomic(path, arrays)
+    except OSError as exc:
+        raise MinigistError(f"--checkpoint: cannot write {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def remove_stale_temporaries(folder):
+    """Temporary files a killed run left behind (the checkpoint itself is never partial)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(".tmp-") and name.endswith(".npz"):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def read_checkpoint(folder, check_config=None):
+    """(meta dict, order array or None, {state key: array}) of DIR's checkpoint, or None if
+    there is none. A damaged file, metadata that is not what a training run writes, arrays that
+    do not match their digest, or values that are not finite: one MinigistError naming the file.
+    `check_config(config)` raises ValueError for a configuration value out of its range (the
+    command line passes its flags' own checks)."""
+    path = checkpoint_path(folder)
+    if not os.path.exists(path):
+        return None
+    values = read_npz(path, "--resume")
+    try:
+        meta = json.loads(values.pop("__meta__").tobytes().decode("utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError("the metadata is not an object")
+        if meta.get("format") == CHECKPOINT_FORMAT:
+            check_meta(meta, check_config)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise MinigistError(f"--resume: {path} has damaged metadata ({exc})") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise MinigistError(f"--resume: {path} has checkpoint format {meta.get('format')}, "
+                            f"this train.py reads format {CHECKPOINT_FORMAT}")
+    if "__order__" not in values or meta["digest"] != arrays_digest(values):
+        raise MinigistError(f"--resume: {path} is damaged: its arrays do not match the digest written with them")
+    order = values.pop("__order__")
+    bad = next((key for key, value in values.items() if value.dtype.kind not in "fiub"
+                or (value.dtype.kind == "f" and not np.all(np.isfinite(value)))), None)
+    if bad is not None:
+        raise MinigistError(f"--resume: {path}: '{bad}' holds NaN, infinite or non-numeric values; it cannot be "
+                            f"resumed (start over with --overwrite and a lower --lr)")
+    return meta, (order if order.size and order.ndim == 1 and order.dtype.kind == "i" else None), values
+
+
+def check_meta(meta, check_config=None):
+    """Raise ValueError naming the first field of a checkpoint's metadata that is missing or
+    not of the kind a training run writes (and, through `check_config`, out of range)."""
+    check_fields(meta, META_SCHEMA, "the metadata")
+    check_fields(meta["config"], {key: "any?" for key in RESUME_KEYS + CONFIG_EXTRA_KEYS}, "the configuration")
+    if check_config is not None:
+        check_config(meta["config"])
+    for name in ("data_rng", "net_rng"):
+        if meta[name] is not None:     # the bit generator's own check of its state
+            np.random.default_rng(0).bit_generator.state = meta[name]
+    if not all(isinstance(loss, (int, float)) and not isinstance(loss, bool) for loss in meta["epoch_losses"]):
+        raise ValueError("the metadata's epoch_losses are not all numbers")
+    if not all(isinstance(record, dict) for record in meta["history"] + meta["changes"]):
+        raise ValueError("the metadata's history is not a list of objects")
+    if not all(isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)
+               for item in meta["model"]):
+        raise ValueError("the metadata's model definition is not a list of [layer, definition] pairs")
+
+
+def checkpoint_iteration(folder):
+    """The iteration DIR's checkpoint holds (read from its metadata alone), or None."""
+    try:
+        with np.load(checkpoint_path(folder), allow_pickle=False) as stored:
+            meta = json.loads(stored["__meta__"].tobytes().decode("utf-8"))
+        iteration = meta["iteration"]
+        return iteration if isinstance(iteration, int) else None
+    except Exception:   # noqa: BLE001  (only a hint for a message: any damage means "unknown")
+        return None
+
+
+def restore_state(net, values, path):
+    """Put a checkpoint's arrays into `net`, refusing any that the net does not have or holds
+    in another shape."""
+    targets = net.state()
+    missing = [key for key in targets if key not in values]
+    extra = [key for key in values if key not in targets]
+    if missing or extra:
+        names = ", ".join((missing or extra)[:3])
+        raise MinigistError(f"--resume: {path} does not match the model ({'missing' if missing else 'unknown'} "
+                            f"{names})")
+    for key, value in values.items():
+        if tuple(value.shape) != tuple(targets[key].shape):
+            raise MinigistError(f"--resume: {path}: '{key}' has shape {value.shape}, the net needs "
+                                f"{targets[key].shape}")
+    net.restore(values)
+
+
+def apply_checkpoint_config(options, given, meta, folder):
+    """Take the checkpoint's configuration for the settings not `given`; returns {key: [old, new]}
+    for the schedule settings given with a new value (any other difference is refused)."""
+    stored = meta["config"]
+    changed = {}
+    for key in RESUME_KEYS:
+        if key not in stored or not hasattr(options, key):
+            continue
+        if key == "flip" and getattr(options, key) == "auto":
+            given = given - {"flip"}
+        if key in given and getattr(options, key) != stored[key]:
+            if key in RESUME_CHANGEABLE:
+                changed[key] = [stored[key], getattr(options, key)]
+                continue
+            flag = "--" + key.replace("_", "-")
+            raise MinigistError(f"--resume: the checkpoint in {folder} was made with {flag} {stored[key]}, "
+                                f"not {getattr(options, key)} (drop {flag} to continue with the checkpoint's)")
+        setattr(options, key, stored[key])
+    if "epochs" not in given and "iters" not in given:
+        options.epochs, options.iters = stored.get("epochs"), stored.get("iters")
+    return changed
+
+
+def prepare_checkpoint_folder(folder):
+    """Create DIR (and its parents) now, so that an unusable one fails before training."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise MinigistError(f"--checkpoint: {folder} exists and is not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise MinigistError(f"--checkpoint: cannot create {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise MinigistError(f"--checkpoint: cannot write in {folder}: permission denied")

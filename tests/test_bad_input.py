@@ -18,7 +18,8 @@ from PIL import Image
 
 import minigist
 from minigist import datasets, prototxt
-from minigist.checkpoint import arrays_digest
+from minigist.checkpoint import CHECKPOINT_NAME, arrays_digest, read_checkpoint
+from minigist.cli_args import byte_size
 from minigist.errors import MemoryBudgetError, MinigistError, ModelFileError
 from minigist.memory.available import ENV_OVERRIDE
 
@@ -33,7 +34,7 @@ def checkpoint_file(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpt")
     result = run_cli("--model", tiny, *SYNTH, "--iters", 2, "--checkpoint", folder)
     assert result.returncode == 0, result.stderr
-    path = folder / train.CHECKPOINT_NAME
+    path = folder / CHECKPOINT_NAME
     return path, path.read_bytes()
 
 
@@ -49,7 +50,7 @@ def same_checkpoint(a, b):
 def damaged_copy(tmp_path, data):
     folder = tmp_path / "damaged"
     folder.mkdir(exist_ok=True)
-    (folder / train.CHECKPOINT_NAME).write_bytes(data)
+    (folder / CHECKPOINT_NAME).write_bytes(data)
     return str(folder)
 
 
@@ -59,7 +60,7 @@ def test_damaged_checkpoints_are_one_error_or_read_exactly(checkpoint_file, tmp_
     MinigistError naming the file, or (a flip where neither zip nor the digest looks, e.g. a
     timestamp) a checkpoint read back exactly as written."""
     path, data = checkpoint_file
-    original = train.read_checkpoint(str(path.parent))
+    original = read_checkpoint(str(path.parent))
     cuts = sorted(set([0, 1, 10, 22, 100, len(data) // 2, len(data) - 1]
                       + list(range(0, len(data), max(1, len(data) // 150)))))
     rng = np.random.default_rng(0)
@@ -73,9 +74,9 @@ def test_damaged_checkpoints_are_one_error_or_read_exactly(checkpoint_file, tmp_
     for case in cases:
         folder = damaged_copy(tmp_path, case)
         try:
-            read = train.read_checkpoint(folder)
+            read = read_checkpoint(folder)
         except MinigistError as exc:
-            assert train.CHECKPOINT_NAME in str(exc) and "\n" not in str(exc)
+            assert CHECKPOINT_NAME in str(exc) and "\n" not in str(exc)
             damaged += 1
         else:
             same_checkpoint(read, original)
@@ -87,7 +88,7 @@ def test_damaged_checkpoints_are_one_error_or_read_exactly(checkpoint_file, tmp_
 def test_truncated_checkpoint_on_resume_is_one_line(checkpoint_file, tmp_path, cut):
     path, data = checkpoint_file
     folder = damaged_copy(tmp_path, data[:len(data) // 2 if cut == "middle" else cut])
-    one_line_error(run_cli("--checkpoint", folder, "--resume"), train.CHECKPOINT_NAME, "damaged")
+    one_line_error(run_cli("--checkpoint", folder, "--resume"), CHECKPOINT_NAME, "damaged")
 
 
 def rewrite_meta(path, folder, change):
@@ -98,7 +99,7 @@ def rewrite_meta(path, folder, change):
     change(meta)
     arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     os.makedirs(folder, exist_ok=True)
-    np.savez(os.path.join(folder, train.CHECKPOINT_NAME), **arrays)
+    np.savez(os.path.join(folder, CHECKPOINT_NAME), **arrays)
     return str(folder)
 
 
@@ -119,7 +120,7 @@ def test_malformed_metadata_is_one_error(checkpoint_file, tmp_path, change, word
     folder = rewrite_meta(path, tmp_path / "meta", change)
     assert train.main(["--checkpoint", folder, "--resume", "--iters", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and train.CHECKPOINT_NAME in err[0] and words in err[0], err
+    assert len(err) == 1 and CHECKPOINT_NAME in err[0] and words in err[0], err
 
 
 def test_net_load_damaged_files(tiny, tmp_path):
@@ -203,7 +204,7 @@ def test_memory_budget_values(argv, words, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--memory-budget" in err[0] and words in err[0], err
-    assert train.byte_size("1.5GiB") == 3 * 2**29 and train.byte_size("2e-3GB") == 2 * 10**6
+    assert byte_size("1.5GiB") == 3 * 2**29 and byte_size("2e-3GB") == 2 * 10**6
 
 
 # ---- 4. output paths -----------------------------------------------------------------------
@@ -274,7 +275,7 @@ def test_edited_model_is_refused_on_resume_naming_what_changed(tmp_path):
     assert "net.prototxt" in line
     allowed = run_cli("--checkpoint", folder, "--resume", "--iters", 3, "--allow-model-change")
     assert allowed.returncode == 0, allowed.stderr
-    meta, _, _ = train.read_checkpoint(str(folder))
+    meta, _, _ = read_checkpoint(str(folder))
     assert meta["iteration"] == 3 and "pooling_param.pool" in meta["changes"][-1]["model"]
     model.write_text(TINY.replace("pool: MAX", "pool: AVE").replace('layer { name: "drop"', 'layer { name: "drop2"'))
     one_line_error(run_cli("--checkpoint", folder, "--resume", "--iters", 4), "layer 'drop' was removed")
@@ -285,10 +286,10 @@ def test_fresh_run_over_a_checkpoint_is_refused(tiny, tmp_path):
     assert run_cli("--model", tiny, *SYNTH, "--iters", 3, "--checkpoint", tmp_path).returncode == 0
     one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 2, "--checkpoint", tmp_path),
                    "iteration 3", "--resume", "--overwrite")
-    assert train.read_checkpoint(str(tmp_path))[0]["iteration"] == 3
+    assert read_checkpoint(str(tmp_path))[0]["iteration"] == 3
     replaced = run_cli("--model", tiny, *SYNTH, "--iters", 2, "--checkpoint", tmp_path, "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
-    assert train.read_checkpoint(str(tmp_path))[0]["iteration"] == 2
+    assert read_checkpoint(str(tmp_path))[0]["iteration"] == 2
     one_line_error(run_cli("--checkpoint", tmp_path, "--resume", "--overwrite"), "--overwrite")
 
 
@@ -301,7 +302,7 @@ def test_resume_needs_a_checkpoint_unless_asked_if_present(tiny, tmp_path):
     assert first.returncode == 0 and "starting from scratch" in first.stdout
     again = run_cli("--model", tiny, *SYNTH, "--iters", 3, "--checkpoint", mistyped, "--resume-if-present")
     assert again.returncode == 0 and "resumed from" in again.stdout
-    assert train.read_checkpoint(str(mistyped))[0]["iteration"] == 3
+    assert read_checkpoint(str(mistyped))[0]["iteration"] == 3
 
 
 # ---- 13. a NaN loss, then the advice followed ------------------------------------------------
@@ -317,7 +318,7 @@ def test_nan_loss_advice_resumes_with_a_lower_lr(tiny, tmp_path):
     resumed = run_cli(*command[2:-1], 0.001)
     assert resumed.returncode == 0, resumed.stderr
     assert "--lr 0.001 from iteration 3 on (was 0.01" in resumed.stdout
-    after, _, _ = train.read_checkpoint(str(tmp_path))
+    after, _, _ = read_checkpoint(str(tmp_path))
     assert after["iteration"] == 30 and after["config"]["lr"] == 0.001
     assert after["changes"] == [{"lr": [0.01, 0.001], "iteration": 3}]
 
@@ -331,7 +332,7 @@ def test_checkpoint_holding_nan_is_never_resumed(checkpoint_file, tmp_path):
     arrays["conv.weight"].flat[0] = np.nan
     meta["digest"] = arrays_digest(arrays)
     arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    np.savez(tmp_path / train.CHECKPOINT_NAME, **arrays)
+    np.savez(tmp_path / CHECKPOINT_NAME, **arrays)
     one_line_error(run_cli("--checkpoint", tmp_path, "--resume"), "conv.weight", "NaN")
 
 
@@ -342,14 +343,14 @@ def test_ctrl_c_names_the_iteration_and_the_resume_command(tiny, tmp_path):
     process = subprocess.Popen([sys.executable, TRAIN, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, cwd=ROOT)
     deadline = time.time() + 60
-    while not (tmp_path / train.CHECKPOINT_NAME).exists() and time.time() < deadline and process.poll() is None:
+    while not (tmp_path / CHECKPOINT_NAME).exists() and time.time() < deadline and process.poll() is None:
         time.sleep(0.02)
     time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
     line = err.strip().splitlines()[-1]
-    held = train.read_checkpoint(str(tmp_path))[0]["iteration"]
+    held = read_checkpoint(str(tmp_path))[0]["iteration"]
     assert f"holds iteration {held};" in line, line
     command = shlex.split(line.split("resume with: ", 1)[1])
     assert command[2:] == argv + ["--resume"]

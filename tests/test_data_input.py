@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 import minigist
-from minigist import datasets
+from minigist import datasets, trainer
 from minigist.errors import MinigistError, ModelFileError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -254,13 +254,13 @@ def test_train_accuracy_sample_is_stratified():
 
 def test_train_py_measures_train_accuracy_on_the_sample(monkeypatch):
     seen = []
-    real = train.evaluate
+    real = trainer.evaluate
 
     def spy(net, data, split, batch_size, names, limit=None):
         labels = split.labels if limit is None else split.labels[:limit]
         seen.append(np.bincount(labels, minlength=10)[:10])
         return real(net, data, split, batch_size, names, limit)
-    monkeypatch.setattr(train, "evaluate", spy)
+    monkeypatch.setattr(trainer, "evaluate", spy)
     code = train.main(["--model", "resnet20", "--iters", "1", "--gist", "none", "--train-eval-size", "100",
                        "--batch-size", "4", "--holdout", "0"])
     assert code == 0
@@ -269,16 +269,16 @@ def test_train_py_measures_train_accuracy_on_the_sample(monkeypatch):
 
 def test_warm_up_schedule():
     args = train.make_parser().parse_args(["--lr", "0.01", "--warmup", "4", "--lr-step", "1", "--lr-gamma", "0.5"])
-    rates = [train.lr_at(args, i, 5) for i in range(7)]
+    rates = [trainer.lr_at(args, i, 5) for i in range(7)]
     assert np.allclose(rates, [0.0025, 0.005, 0.0075, 0.01, 0.01, 0.005, 0.005])
     args.warmup = 0
-    assert train.lr_at(args, 0, 5) == 0.01
+    assert trainer.lr_at(args, 0, 5) == 0.01
 
 
 def test_per_model_default_lr():
-    assert train.default_lr("vgg_small") == train.MODEL_LR["vgg_small"] < 0.1
-    assert train.default_lr("resnet20") == train.DEFAULT_LR == 0.1
-    assert train.default_lr("models/vgg_small.prototxt") == train.DEFAULT_LR    # a user's file: no guess
+    assert trainer.default_lr("vgg_small") == trainer.MODEL_LR["vgg_small"] < 0.1
+    assert trainer.default_lr("resnet20") == trainer.DEFAULT_LR == 0.1
+    assert trainer.default_lr("models/vgg_small.prototxt") == trainer.DEFAULT_LR    # a user's file: no guess
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 memory pictures, and one-line errors. Kept small: tiny models, tiny images, a few iterations."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from PIL import Image
 
 import minigist
 from minigist.errors import MemoryBudgetError
-from minigist import datasets, jit
+from minigist import datasets, jit, trainer
+from minigist.checkpoint import CHECKPOINT_NAME, read_checkpoint
 from minigist.errors import MinigistError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,9 +128,9 @@ def test_eval_pads_the_last_batch_and_counts_only_real_samples(tiny, folder):
     assert len(data.heldout) % 4 != 0
     net4 = minigist.Net(tiny, seed=3)
     net1 = minigist.Net(tiny, batch_size=1, seed=3)
-    names = train._output_names(net4)
-    padded = train.evaluate(net4, data, data.heldout, 4, names)
-    single = train.evaluate(net1, data, data.heldout, 1, names)
+    names = trainer._output_names(net4)
+    padded = trainer.evaluate(net4, data, data.heldout, 4, names)
+    single = trainer.evaluate(net1, data, data.heldout, 1, names)
     assert padded["samples"] == single["samples"] == len(data.heldout)
     assert padded["correct"] == single["correct"]
     assert padded["loss"] == pytest.approx(single["loss"], rel=1e-4)
@@ -199,7 +201,7 @@ def test_plan_only_plot_and_trace(tmp_path):
     with Image.open(plot) as image:
         assert image.format == "PNG"
     trace_data = json.loads(trace.read_text())
-    report = train.plan_for(train.resolve_model("inception_small"),
+    report = trainer.plan_for(trainer.resolve_model("inception_small"),
                             make_args(batch_size=2, input_size=None, alloc="static"))
     check_trace(trace_data, report)
     counters = [e for e in trace_data["traceEvents"] if e["ph"] == "C"]
@@ -231,8 +233,27 @@ def test_synthetic_data_and_eval_every(tiny):
 
 # ---- checkpoints --------------------------------------------------------------------------
 def final_weights(folder):
-    with np.load(os.path.join(folder, train.CHECKPOINT_NAME), allow_pickle=False) as stored:
+    with np.load(os.path.join(folder, CHECKPOINT_NAME), allow_pickle=False) as stored:
         return {k: stored[k] for k in stored.files if not k.startswith("__")}
+
+
+def test_trainer_from_python_trains_as_train_py_does(tiny, tmp_path):
+    """minigist.trainer.run takes the flags' names as keywords: the same lines, the same weights."""
+    settings = {"data": "synthetic", "holdout": 0.02, "iters": 3, "train_eval_size": 0, "conv": "im2col"}
+    lines = []
+    report = trainer.run(model=tiny, checkpoint=str(tmp_path / "python"), out=lines.append, **settings)
+    assert report["training"]["iterations"] == 3
+    flags = [arg for key, value in settings.items() for arg in ("--" + key.replace("_", "-"), value)]
+    result = run_cli("--model", tiny, "--checkpoint", tmp_path / "cli", *flags)
+    assert result.returncode == 0, result.stderr
+    timing = re.compile(r"[0-9,.]+ (img/s|s this run|training images/s)")
+    shown = [timing.sub("", line.replace(str(tmp_path / "python"), "DIR"))
+             for entry in lines for line in entry.split("\n")]
+    printed = [timing.sub("", line.replace(str(tmp_path / "cli"), "DIR")) for line in result.stdout.splitlines()]
+    assert shown == [line for line in printed if line != jit.COMPILE_NOTICE]
+    python_weights, cli_weights = final_weights(tmp_path / "python"), final_weights(tmp_path / "cli")
+    assert python_weights.keys() == cli_weights.keys()
+    assert all(np.array_equal(python_weights[key], cli_weights[key]) for key in python_weights)
 
 
 @pytest.mark.slow
@@ -265,12 +286,12 @@ def test_killed_run_leaves_a_readable_checkpoint_and_resumes_exactly(tiny, tmp_p
     process = subprocess.Popen([sys.executable, TRAIN, *map(str, [*common, "--iters", 60, "--checkpoint", part])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.time() + 60
-    while not (part / train.CHECKPOINT_NAME).exists() and time.time() < deadline and process.poll() is None:
+    while not (part / CHECKPOINT_NAME).exists() and time.time() < deadline and process.poll() is None:
         time.sleep(0.01)
     time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    meta, _, _ = train.read_checkpoint(str(part))          # readable wherever the kill landed
+    meta, _, _ = read_checkpoint(str(part))          # readable wherever the kill landed
     assert meta["iteration"] >= 1
     resumed = run_cli("--checkpoint", part, "--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -286,7 +307,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny, tmp_path):
                      "--lr-gamma", 1e6, "--iters", 50, "--checkpoint", tmp_path, "--checkpoint-every", 1,
                      "--train-eval-size", 0)
     line = one_line_error(result, "became", "--lr", "checkpoint")
-    meta, _, values = train.read_checkpoint(str(tmp_path))
+    meta, _, values = read_checkpoint(str(tmp_path))
     assert meta["iteration"] >= 2 and f"iteration {meta['iteration']})" in line
     assert all(np.all(np.isfinite(v)) for v in values.values())
 
@@ -344,7 +365,7 @@ def test_timeline_series_add_up_to_the_live_bytes_and_split_the_stash():
         for alloc in ("none", "static", "dynamic"):
             args = make_args(batch_size=4, input_size=None, alloc=alloc)
             args.gist, args.dpr = gist, "fp16"
-            plan = train.shapes_only_plan(train.resolve_model("vgg_small"), args)
+            plan = trainer.shapes_only_plan(trainer.resolve_model("vgg_small"), args)
             keys, matrix = visualize.live_series(plan, footprint_report(plan))
             assert np.array_equal(matrix.sum(axis=0), live_by_step(plan))
             labels = [visualize.series_label(key) for key in keys]
@@ -356,9 +377,9 @@ def test_timeline_series_add_up_to_the_live_bytes_and_split_the_stash():
 
 def test_lr_schedule_and_epoch_batches():
     args = make_args(lr=0.1, lr_step=1.5, lr_gamma=0.5)
-    assert [train.lr_at(args, i, 10) for i in (0, 14, 15, 29, 30)] == [0.1, 0.1, 0.05, 0.05, 0.025]
+    assert [trainer.lr_at(args, i, 10) for i in (0, 14, 15, 29, 30)] == [0.1, 0.1, 0.05, 0.05, 0.025]
     args.lr_step = 0
-    assert train.lr_at(args, 1000, 10) == 0.1
+    assert trainer.lr_at(args, 1000, 10) == 0.1
     data = datasets.load_dataset("synthetic", (1, 4, 4), classes=2, holdout=0.0, synthetic_size=10)
     order = data.epoch_order(np.random.default_rng(0))
     batches = [data.epoch_batch(order, i, 4) for i in range(data.iters_per_epoch(4))]
@@ -457,7 +478,7 @@ def test_a_bottom_from_a_phase_excluded_layer_is_a_one_line_error():
 
 
 def checkpoint_config(folder):
-    with np.load(os.path.join(folder, train.CHECKPOINT_NAME), allow_pickle=False) as stored:
+    with np.load(os.path.join(folder, CHECKPOINT_NAME), allow_pickle=False) as stored:
         return json.loads(stored["__meta__"].tobytes().decode("utf-8"))["config"]
 
 
@@ -594,8 +615,8 @@ def test_evaluation_runs_at_the_test_batch_counting_a_padded_last_batch_exactly(
     data = minigist.datasets.load_dataset("synthetic", (1, 8, 8), 3, holdout=0.2, synthetic_size=120)
     heldout = data.heldout          # 24 images: three batches of 7 and a padded one of 3
     assert len(heldout) % 7
-    names = train._output_names(net)
-    batched = train.evaluate(net, data, heldout, 7, names)
+    names = trainer._output_names(net)
+    batched = trainer.evaluate(net, data, heldout, 7, names)
     # the reference: each image alone, through a TEST net of batch 1 with the same weights
     single = minigist.Net(str(path), batch_size=1, alloc="static", conv="im2col")
     single.restore(net.state())
