@@ -63,9 +63,10 @@ from minigist.cli_args import (Parser, byte_size, config_checker, explicit_flags
 from minigist.codecs import DPR_FORMATS, GIST_MODES  # noqa: E402
 from minigist.errors import MemoryBudgetError, MinigistError  # noqa: E402
 from minigist.memory.plan import MODES  # noqa: E402
-from minigist.net import CONV_CHOICES, MAX_DEFAULT_THREADS, UPDATES  # noqa: E402
+from minigist.net import MAX_DEFAULT_THREADS  # noqa: E402
+from minigist.pipeline import CONV_CHOICES, UPDATES  # noqa: E402
 from minigist.trainer import (DEFAULT_DATA, DEFAULT_EPOCHS, DEFAULT_LR, DEFAULT_LR_GAMMA, DEFAULT_LR_STEP,  # noqa: E402
-                              DEFAULT_MODEL, MODEL_LR, MODEL_WARMUP, Options, Trainer, bundled_models)
+                              DEFAULT_MODEL, MODEL_LR, MODEL_WARMUP, RunOptions, Trainer, bundled_models)
 
 
 HELP_EPILOG = f"""\
@@ -258,7 +259,7 @@ def make_parser():
                             "chrome://tracing); 1 us = 1 program step")
     group.add_argument("--summary", action="store_true",
                        help="print one row per layer and the parameter count, then exit")
-    parser.set_defaults(**dataclasses.asdict(Options()))     # the library's defaults are the flags'
+    parser.set_defaults(**dataclasses.asdict(RunOptions()))     # the library's defaults are the flags'
     return parser
 
 

@@ -24,17 +24,14 @@ from .checkpoint import (CHECKPOINT_FORMAT, RESUME_CHANGEABLE, RESUME_KEYS, appl
                          checkpoint_iteration, checkpoint_path, json_default, model_change, model_definition,
                          prepare_checkpoint_folder, read_checkpoint, remove_stale_temporaries, restore_state,
                          write_checkpoint)
-from .codecs import GistConfig
 from .codecs import kernels as codec_kernels
 from .densities import MARGIN, planned, read_densities
 from .errors import MemoryBudgetError, MinigistError
-from .gist import apply_gist
 from .graph import build_graph
 from .memory.available import check_fits
-from .memory.plan import MemoryPlan
 from .memory.report import format_report, write_json
-from .net import Net, default_threads, plan_footprint, resolve_conv, set_conv_engine, summary
-from .program import build_program
+from .net import Net, default_threads, summary
+from .pipeline import Options, compile, plan_report, resolve_conv
 
 # the bundled model files sit next to train.py, at the top of a checkout
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
@@ -55,7 +52,7 @@ DEFAULT_LR_GAMMA = 0.5
 
 
 @dataclasses.dataclass
-class Options:
+class RunOptions:
     """Every setting of a run, named as train.py's flags (--lr-step: lr_step), with their
     defaults. None: settled by the run (the model file's, the data's, or the model's own)."""
     model: str = DEFAULT_MODEL
@@ -401,23 +398,23 @@ def gist_kwargs(args):
     return {"gist": args.gist, "dpr": args.dpr, "update": args.update, "conv": args.conv}
 
 
+def compile_options(args, alloc=None, gist=None):
+    """The pipeline's Options for a run's settings (SSDC planned from the densities settled by
+    `choose_densities`, none where it found none)."""
+    return Options(batch_size=args.batch_size, input_size=args.input_size, input_channels=args.input_channels,
+                   conv=args.conv, alloc=alloc or args.alloc, gist=args.gist if gist is None else gist,
+                   dpr=args.dpr, update=args.update, densities=getattr(args, "ssdc_density", None),
+                   add_loss=args.add_loss)
+
+
 def plan_for(path, args, alloc=None, gist=None):
-    """The footprint report from shapes alone, SSDC planned from the densities settled by
-    `choose_densities` (none where it found none)."""
-    return plan_footprint(path, args.batch_size, args.input_size, alloc or args.alloc,
-                          gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update,
-                          conv=args.conv, add_loss=args.add_loss, input_channels=args.input_channels,
-                          ssdc_density=getattr(args, "ssdc_density", None))
+    """The footprint report from shapes alone."""
+    return plan_report(path, compile_options(args, alloc, gist))
 
 
 def shapes_only_plan(path, args):
-    """A MemoryPlan of the training program built from shapes alone (for --plan-only plots)."""
-    graph = build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
-                        input_channels=args.input_channels)
-    set_conv_engine([graph], args.conv)
-    program = build_program(graph, train=True, fused_update=args.update == "fused")
-    program = apply_gist(program, GistConfig(args.gist, args.dpr, ssdc_density=getattr(args, "ssdc_density", None)))
-    return MemoryPlan(program, args.alloc)
+    """The MemoryPlan of the training program, from shapes alone (for --plan-only plots)."""
+    return compile(path, compile_options(args)).plan
 
 
 def choose_densities(path, args):
@@ -501,7 +498,7 @@ def epoch_line(record, epochs, complete):
 class Trainer:
     """One training run (or, with plan_only or summary, its plan or layer table).
 
-    `options`: an Options, or any object with its attributes (train.py passes its parsed
+    `options`: an RunOptions, or any object with its attributes (train.py passes its parsed
     flags); the run settles its None entries on a copy, `self.args`. `given`: the names of
     the settings the user chose, as opposed to defaults (a resume refuses to change those the
     checkpoint fixed, and takes its own for the others). `command_line`: train.py's argument
@@ -882,6 +879,6 @@ class Trainer:
 
 
 def run(out=print, **settings):
-    """Train (or plan, or summarize) with the Options fields given as keywords, the others at
+    """Train (or plan, or summarize) with the RunOptions fields given as keywords, the others at
     their defaults; returns Trainer.run's report."""
-    return Trainer(Options(**settings), given=settings, out=out).run()
+    return Trainer(RunOptions(**settings), given=settings, out=out).run()
