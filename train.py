@@ -112,7 +112,7 @@ checkpoints: --checkpoint DIR writes DIR/{CHECKPOINT_NAME} at every epoch end (a
 defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32 (the model file's), {DEFAULT_EPOCHS} epochs, lr
   {DEFAULT_LR} ({', '.join(f'{m} {v:g}' for m, v in sorted(MODEL_LR.items()))}) times {DEFAULT_LR_GAMMA} after every {DEFAULT_LR_STEP:g} epoch, momentum 0.9, weight decay 5e-4,
   BatchNorm average 0.9, Gist lossless, --conv auto with the threads that suit it (see --threads).
-  Run times and accuracies measured on real machines are in the README (Command line, Performance).
+  Run times and accuracies measured on real machines are in the README (Results).
 """
 
 
