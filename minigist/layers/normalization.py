@@ -192,9 +192,13 @@ class BatchNorm(Layer):
         xp.add(var, self.eps, out=inv_std)
         xp.sqrt(inv_std, out=inv_std)
         xp.reciprocal(inv_std, out=inv_std)
+        scale_compiled = jit.active(xp, y3, inv_std)
         for n0 in starts:
             yc = y3[n0:n0 + chunk]
-            xp.multiply(yc, inv_std[:, None], out=yc)
+            if scale_compiled:
+                fused_kernels.scale_channels(yc, inv_std)
+            else:
+                xp.multiply(yc, inv_std[:, None], out=yc)
             if emit is not None:
                 emit(n0, n0 + yc.shape[0], square[:yc.shape[0]])
 
