@@ -5,24 +5,22 @@ import math
 import re
 
 
-def positive_int(text):
+def _integer_at_least(text, least, what):
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
     return value
+
+
+def positive_int(text):
+    return _integer_at_least(text, 1, "positive")
 
 
 def non_negative_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+    return _integer_at_least(text, 0, "non-negative")
 
 
 def non_negative_float(text):

@@ -70,13 +70,20 @@ class StreamedStash:
         return out
 
 
-class Encode:
+class _CodecStep:
+    """A step that runs a codec on one tensor: its encoded parts and workspace, bound."""
+
     def __init__(self, codec, tensor):
         self.codec, self.tensor = codec, tensor
 
     def bind(self, step, arrays, xp, stats):
+        return self.run(xp, stats, arrays_for(arrays, step.args["enc"]), arrays_for(arrays, step.args["ws"]),
+                        step, arrays)
+
+
+class Encode(_CodecStep):
+    def run(self, xp, stats, enc, ws, step, arrays):
         codec, tensor = self.codec, self.tensor
-        enc, ws = arrays_for(arrays, step.args["enc"]), arrays_for(arrays, step.args["ws"])
         inputs = arrays_for(arrays, step.args["x"])
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)
 
@@ -92,13 +99,9 @@ class Encode:
         return encode
 
 
-class Decode:
-    def __init__(self, codec, tensor):
-        self.codec, self.tensor = codec, tensor
-
-    def bind(self, step, arrays, xp, stats):
+class Decode(_CodecStep):
+    def run(self, xp, stats, enc, ws, step, arrays):
         codec, tensor = self.codec, self.tensor
-        enc, ws = arrays_for(arrays, step.args["enc"]), arrays_for(arrays, step.args["ws"])
         out = arrays[step.args["out"]]
 
         def decode():
