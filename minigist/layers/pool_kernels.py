@@ -44,21 +44,25 @@ if numba is not None:
     _U = np.uint64
 
     @_jit
-    def _window_maxima(frame, wide, codes, bases, size):
+    def _window_maxima(frame, wide, codes, bases, ks, size):
         """wide, codes <- the running maximum and its argmax code over the window offsets k,
-        offset k's elements at frame[bases[k]:bases[k] + size] (the `xp` code's order)."""
+        offset k's elements at frame[bases[k]:bases[k] + size] (the `xp` code's order); ks[k]
+        is k in the codes' dtype. Both stores are unconditional selects: a conditional store
+        of a byte has no AVX2 form, and the loop then ran scalar, 8x slower than under
+        AVX-512's masked stores."""
         for k in range(bases.size):
             base = _U(bases[k])
             if k == 0:
                 for t in range(size):
                     wide[t] = frame[base + t]
-                    codes[t] = 0
+                    codes[t] = ks[0]
                 continue
+            code = ks[k]
             for t in range(size):
                 v = frame[base + t]
                 best = wide[t]
-                if v > best:
-                    codes[t] = k
+                previous = codes[t]
+                codes[t] = code if v > best else previous
                 wide[t] = v if (v >= best or v != v) else best
 
     @_jit
@@ -94,6 +98,9 @@ if numba is not None:
         codes = np.empty(oh * width, argmax.dtype)
         bases = np.array([((i % sh) * rows + i // sh) * width + (j % sw) * cols + j // sw
                           for i in range(kh) for j in range(kw)], np.int64)
+        ks = np.empty(bases.size, argmax.dtype)
+        for k in range(bases.size):
+            ks[k] = k
         size = _U(oh * width)
         for s in range(n):
             for ch in range(c):
@@ -112,7 +119,7 @@ if numba is not None:
                             b = m * sw + phase - pw
                             if b >= 0 and b < w and b + pw < wb:
                                 frame[dst + m] = x[s, ch, a, b]
-                _window_maxima(frame, wide, codes, bases, size)
+                _window_maxima(frame, wide, codes, bases, ks, size)
                 _copy_out(wide, codes, width, y, argmax, s, ch, clamp, floor)
 
     @_jit
@@ -124,7 +131,9 @@ if numba is not None:
         if sh == 1 and sw == 1 and not disjoint:
             _max_backward_flat(index, gy, gx, ph, pw, kh, kw, one, nil)
             return
-        step = _U(sw)
+        if sw > 1:
+            _max_backward_strided(index, gy, gx, ph, pw, sh, sw, kh, kw, disjoint, zero, one, nil)
+            return
         for s in range(n):
             for ch in range(c):
                 if zero:
@@ -135,20 +144,64 @@ if numba is not None:
                     for j in range(kw):
                         k = i * kw + j
                         lo, hi = _span(w, pw, sw, j, ow)
-                        first, base, count = _U(lo), _U(lo * sw + j - pw), _U(max(hi - lo, 0))
+                        first, base, count = _U(lo), _U(lo + j - pw), _U(max(hi - lo, 0))
                         for r in range(oh):
                             row = r * sh + i - ph
                             if row < 0 or row >= h:
                                 continue
                             if disjoint:
                                 for t in range(count):
-                                    gx[s, ch, row, base + t * step] = gy[s, ch, r, first + t] * (one if index[s, ch, r, first + t] == k else nil)
-                            elif sw == 1:
-                                for t in range(count):
-                                    gx[s, ch, row, base + t] += gy[s, ch, r, first + t] * (one if index[s, ch, r, first + t] == k else nil)
+                                    gx[s, ch, row, base + t] = gy[s, ch, r, first + t] * (one if index[s, ch, r, first + t] == k else nil)
                             else:
                                 for t in range(count):
-                                    gx[s, ch, row, base + t * step] += gy[s, ch, r, first + t] * (one if index[s, ch, r, first + t] == k else nil)
+                                    gx[s, ch, row, base + t] += gy[s, ch, r, first + t] * (one if index[s, ch, r, first + t] == k else nil)
+
+    @_jit
+    def _max_backward_strided(index, gy, gx, ph, pw, sh, sw, kh, kw, disjoint, zero, one, nil):
+        """max_backward with a column stride: each plane's gradient is gathered in a frame
+        that holds its columns deinterleaved by the stride (input column b at phase b % sw,
+        place b // sw), where window offset j of consecutive outputs lands at consecutive
+        places: contiguous loops, where writing every sw-th element of gx needs a scatter
+        that AVX2 lacks (2.4x slower than AVX-512's). The frame starts as gx would (nil with
+        `zero`) and takes the same stores and additions in the same order, then is copied
+        back."""
+        n, c, h, w = gx.shape
+        oh, ow = gy.shape[2], gy.shape[3]
+        cols = -(-w // sw)
+        width = sw * cols
+        frame = np.empty(h * width, gx.dtype)
+        for s in range(n):
+            for ch in range(c):
+                if zero:        # else the windows tile the plane: every place is stored
+                    frame[:] = nil
+                for i in range(kh):
+                    for j in range(kw):
+                        k = i * kw + j
+                        lo, hi = _span(w, pw, sw, j, ow)
+                        count = _U(max(hi - lo, 0))
+                        if count == 0:
+                            continue
+                        column = lo * sw + j - pw           # the input column of output lo
+                        offset = (column % sw) * cols + column // sw
+                        first = _U(lo)
+                        for r in range(oh):
+                            row = r * sh + i - ph
+                            if row < 0 or row >= h:
+                                continue
+                            base = _U(row * width + offset)
+                            if disjoint:
+                                for t in range(count):
+                                    frame[base + t] = gy[s, ch, r, first + t] * (one if index[s, ch, r, first + t] == k else nil)
+                            else:
+                                for t in range(count):
+                                    frame[base + t] += gy[s, ch, r, first + t] * (one if index[s, ch, r, first + t] == k else nil)
+                for a in range(h):
+                    for phase in range(sw):
+                        start = a * width + phase * cols
+                        for m in range(cols):
+                            column = m * sw + phase
+                            if column < w:
+                                gx[s, ch, a, column] = frame[start + m]
 
     @_jit
     def _max_backward_flat(index, gy, gx, ph, pw, kh, kw, one, nil):
