@@ -148,6 +148,10 @@ def avx2_environment():
 # they are stand-ins returning 0, for branches that are never taken.
 HALF = _host_has("f16c")
 
+# masked vector stores that cost what plain ones do (AVX-512's); AVX2's vmaskmovps store is
+# slow (microcoded on AMD's cores), and LLVM makes one of `x[i] = x[i] if c else 0`
+MASKED_STORES = _host_has("avx512f")
+
 if numba is not None:
     from llvmlite import ir as _ir
     from numba.extending import intrinsic as _intrinsic

@@ -177,6 +177,28 @@ def test_relu_backward_from_a_mask_writes_the_same_bytes(dtype, inplace):
     same_bytes(*results)
 
 
+@pytest.mark.skipif(not jit.available(), reason="numba is not installed")
+def test_relu_in_place_on_bit_patterns_writes_the_select_bytes():
+    """The in-place ReLU that CPUs without cheap masked stores run (jit.MASKED_STORES false):
+    every float32 bit pattern's result, NaN payloads and signs included, is what the select
+    kernel writes, and what numpy gives for every value that is not NaN."""
+    from minigist.layers import fused_kernels
+    rng = np.random.default_rng(37)
+    bits = np.concatenate([rng.integers(0, 1 << 32, size=20000, dtype=np.uint64).astype(np.uint32),
+                           np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFF800001, 0x7FC00000,
+                                     0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 1, 0x80000001], np.uint32)])
+    by_bits = bits.copy()
+    fused_kernels.relu_in_place_bits(by_bits)
+    by_select = bits.view(np.float32).copy()
+    fused_kernels.relu(by_select, by_select, np.float32(0), True)
+    assert by_bits.tobytes() == by_select.tobytes()
+    x = bits.view(np.float32)
+    with np.errstate(invalid="ignore"):
+        expected = np.maximum(x, np.float32(0))
+    expected[expected == 0] = 0.0      # numpy's maximum(-0, +0) may keep -0; the layer writes +0
+    same_bytes(by_bits.view(np.float32), expected)
+
+
 def test_layers_that_cannot_read_a_float16_stash_say_so():
     assert not make_layer(LAYERS["relu"], [SHAPE]).reads_half()
     assert not make_layer('name: "s" type: "Scale" bottom: "x" top: "y" param { lr_mult: 0 }', [SHAPE]).reads_half()

@@ -43,8 +43,11 @@ class ReLU(Layer):
     def forward(self, xp, x, y, p, saved, ws):
         if self.slope == 0.0:
             if jit.active(xp, x[0], y[0]):   # one compiled pass, the same bytes (2.2x faster)
-                fused_kernels.relu(x[0].reshape(-1), y[0].reshape(-1), x[0].dtype.type(0),
-                                   fused_kernels.same_memory(x[0], y[0]))
+                same = fused_kernels.same_memory(x[0], y[0])
+                if same and x[0].dtype == np.float32 and not jit.MASKED_STORES:
+                    fused_kernels.relu_in_place_bits(x[0].reshape(-1).view(np.uint32))
+                    return
+                fused_kernels.relu(x[0].reshape(-1), y[0].reshape(-1), x[0].dtype.type(0), same)
             else:
                 xp.maximum(x[0], 0, out=y[0])
             return

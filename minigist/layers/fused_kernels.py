@@ -170,6 +170,18 @@ if numba is not None:
                 y[i] = v if (v > 0 or v != v) else nil
 
     @_jit
+    def relu_in_place_bits(u):
+        """relu(x, x, +0, True) on float32 x's bit patterns u (uint32): the same bytes, each
+        element stored as an integer AND (all ones, or zero for a negative non-NaN), which
+        LLVM cannot turn into a masked store: for CPUs without cheap ones (jit.MASKED_STORES),
+        where the select ran 4x slower than this."""
+        for i in range(u.size):
+            b = np.int64(u[i])
+            negative = b >> 31
+            nan = ((np.int64(0x7F800000) - (b & 0x7FFFFFFF)) >> 63) & 1     # |x| above Inf's bits
+            u[i] = np.uint32(b & ((negative & (1 - nan)) - 1))
+
+    @_jit
     def relu_grad(y, gy, gx, one, nil, same):
         """gx = gy * (y > 0), the mask as the ufunc path multiplies it (1 or 0 in gy's
         dtype). Flat arrays; `same`: gx is gy."""
