@@ -1,6 +1,7 @@
 """Gist's schedule builder: a pass over a training program.
 
-Reads: the training program (typed buffers, liveness), the graph's layer facts (sparse_output,
+Reads: the training program (typed buffers, liveness; after passes/recompute.py, whose
+replays' inputs it leaves as they are), the graph's layer facts (sparse_output,
 keeps_zeros, argmax_positions, mask_backward, gradient_only_where_positive, elementwise,
 stream_chunk/stream_role, reads_half, emits_top_slices) and the GistConfig.
 Provides: a new program with encode and decode steps and Gist's step kinds
@@ -95,9 +96,13 @@ class _Builder:
         self.steps = program.steps
         self.first_backward = next((i for i, s in enumerate(self.steps) if s.kind != "forward"), len(self.steps))
         self.readers = {}     # buffer -> indices of backward steps that read it
+        # stashes that another step of the backward pass reads (a recomputation's replay of a
+        # forward): it needs their values, so they are kept as they are
+        self.read_as_values = set()
         for index in range(self.first_backward, len(self.steps)):
             step = self.steps[index]
             if step.kind != "backward":
+                self.read_as_values.update(step.buffer_names(("x", "y", "saved")))
                 continue
             for role in ("x", "y", "saved"):
                 for name in names_in(step.args.get(role)):
@@ -156,7 +161,7 @@ class _Builder:
         rule's (codecs/rules.py: the user's first, then the built-in ones)."""
         program, config = self.program, self.config
         stashed = [b for b in program.buffers.values()
-                   if b.name in self.readers and b.category in (STASH, INPUT)]
+                   if b.name in self.readers and b.category in (STASH, INPUT) and b.name not in self.read_as_values]
         # blobs (ReLU outputs) first: a fused ReLU->MaxPool code decides the pool's argmax too
         stashed.sort(key=lambda b: 0 if b.kind == "blob" else 1)
         for buffer in stashed:
@@ -261,7 +266,7 @@ class _Builder:
             if buffers[name].category == STASH:   # the FP32 map no longer waits for the backward
                 buffers[name].category = FEATURE
         result = Program(program.graph, buffers, steps, program.outputs, program.loss_weights)
-        result.encodings = encodings
+        result.encodings = {**program.encodings, **encodings}   # an earlier pass's (recomputed) too
         return result
 
     def rewrite(self, index, step, renames, encodings):

@@ -1,0 +1,192 @@
+"""Recomputation (passes/recompute.py): dropped stashes rebuilt by replaying forward steps train
+bit for bit like kept ones, alone and with lossless Gist, under static and dynamic allocation;
+BatchNorm's running sums are updated once and Dropout's mask is reused; the plan shrinks by
+what is no longer kept; and the errors name the tensor."""
+import os
+
+import numpy as np
+import pytest
+
+import minigist
+from minigist.errors import MinigistError
+from minigist.layers.activation import ReLU
+from minigist.memory import align
+from minigist.memory.report import live_by_step
+from minigist.passes.recompute import apply_recompute
+from minigist.pipeline import Options, compile, plan_report
+
+MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
+SMALL_MODELS = ["vgg_small", "resnet20", "inception_small"]
+
+DROPOUT_NET = """
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 4 dim: 6 } shape { dim: 4 } } }
+layer { name: "fc1" type: "InnerProduct" bottom: "data" top: "fc1" inner_product_param { num_output: 8 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "fc1" top: "fc1" }
+layer { name: "drop1" type: "Dropout" bottom: "fc1" top: "fc1" }
+layer { name: "fc2" type: "InnerProduct" bottom: "fc1" top: "fc2" inner_product_param { num_output: 8 weight_filler { type: "xavier" } } }
+layer { name: "drop2" type: "Dropout" bottom: "fc2" top: "fc2" dropout_param { dropout_ratio: 0.3 } }
+layer { name: "fc3" type: "InnerProduct" bottom: "fc2" top: "fc3" inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc3" bottom: "label" top: "loss" }
+"""
+
+
+def model(name):
+    return os.path.join(MODELS_DIR, name + ".prototxt")
+
+
+def batches(count, batch_size=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch_size, 3, 32, 32)).astype(np.float32),
+             rng.integers(0, 10, batch_size)) for _ in range(count)]
+
+
+def stashed_blobs(path, batch_size=4):
+    """The stashed tops of the training program, in forward order."""
+    program = compile(path, Options(batch_size=batch_size)).program
+    return [b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == "stash"]
+
+
+def train(path, data, alloc="static", gist="none", recompute=(), batch_size=4):
+    net = minigist.Net(path, batch_size=batch_size, seed=1, gist=gist, alloc=alloc, recompute=recompute,
+                       solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+    if gist != "none":
+        net.calibrate(data[:2])
+    losses = [net.train_step(*batch) for batch in data]
+    return net, losses
+
+
+def assert_same_training(reference, expected, net, losses):
+    assert losses == expected
+    for key, value in reference.params().items():    # BatchNorm's running sums among them
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+    state = net.state()
+    for key, value in reference.state().items():
+        np.testing.assert_array_equal(state[key], value, err_msg=key)
+
+
+_references = {}
+
+
+def reference(name, alloc, steps):
+    key = (name, alloc, steps)
+    if key not in _references:
+        _references[key] = train(model(name), batches(steps), alloc)
+    return _references[key]
+
+
+def recompute_steps(net):
+    return [step for step in net.programs["train"].steps if step.kind == "recompute"]
+
+
+def test_resnet20_recomputing_some_stashes_trains_bit_identically():
+    """A quick one: every third stash of resnet20 dropped (BatchNorm replays among them)."""
+    tensors = stashed_blobs(model("resnet20"))[::3]
+    expected_net, expected = reference("resnet20", "static", 2)
+    net, losses = train(model("resnet20"), batches(2), recompute=tensors)
+    assert any(step.layer.type == "BatchNorm" for step in recompute_steps(net))
+    assert_same_training(expected_net, expected, net, losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SMALL_MODELS)
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+@pytest.mark.parametrize("gist", ["none", "lossless"])
+@pytest.mark.parametrize("which", ["every other", "all"])
+def test_recomputation_is_bit_identical(name, alloc, gist, which):
+    """Every other stash dropped (replays read kept stashes and rebuild unkept maps on the way),
+    or all of them (every chain replayed from the net's input, each copy rebuilt once)."""
+    tensors = stashed_blobs(model(name))
+    tensors = tensors[::2] if which == "every other" else tensors
+    expected_net, expected = reference(name, alloc, 3)
+    net, losses = train(model(name), batches(3), alloc, gist, tensors)
+    assert recompute_steps(net)
+    assert_same_training(expected_net, expected, net, losses)
+    rows = {row["tensor"]: row for row in net.report()["stash"]}
+    for tensor in tensors:
+        assert rows[tensor]["encoding"] == "recomputed" and rows[tensor]["stored_bytes"] == 0
+
+
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+@pytest.mark.parametrize("gist", ["none", "lossless"])
+def test_dropout_replays_its_mask(tmp_path, alloc, gist):
+    """Both Dropout outputs rebuilt (one from a kept ReLU output, one through an unkept map):
+    the same losses and weights, and the net's random stream is where it would be (the replays
+    drew nothing)."""
+    path = tmp_path / "dropout.prototxt"
+    path.write_text(DROPOUT_NET)
+    rng = np.random.default_rng(3)
+    data = [(rng.standard_normal((4, 6)).astype(np.float32), rng.integers(0, 3, 4)) for _ in range(4)]
+    expected_net, expected = train(str(path), data, alloc, gist)
+    tensors = ["fc1@drop1", "fc2@drop2"]
+    net, losses = train(str(path), data, alloc, gist, tensors)
+    replayed = {step.layer.name for step in recompute_steps(net)}
+    assert {"drop1", "drop2", "fc2"} <= replayed
+    assert_same_training(expected_net, expected, net, losses)
+    assert net.rng.random() == expected_net.rng.random()
+
+
+def test_batchnorm_replay_leaves_running_sums_alone():
+    """The running sums of resnet20's BatchNorm layers after two steps with every stash
+    rebuilt equal those of a run without recomputation (updated once per step, not twice)."""
+    expected_net, _ = reference("resnet20", "static", 2)
+    net, _ = train(model("resnet20"), batches(2), recompute=stashed_blobs(model("resnet20")))
+    replayed = {step.layer.name for step in recompute_steps(net) if step.layer.type == "BatchNorm"}
+    assert replayed
+    for layer in replayed:
+        for part in ("mean", "variance", "scale_factor"):
+            key = f"{layer}.{part}"
+            np.testing.assert_array_equal(net.params()[key], expected_net.params()[key], err_msg=key)
+    assert net.params()[f"{sorted(replayed)[0]}.scale_factor"][0] > 1.0    # updated, but once a step
+
+
+def test_dropping_the_first_stash_saves_its_bytes_at_the_peak():
+    """vgg_small at batch 32: the first ReLU's output is read in the backward pass only at its
+    very end, so at the live peak (early in the backward pass) it is no longer live and nothing
+    rebuilt is live yet: the bytes live there drop by exactly its aligned size, and so do the
+    live peak and the static footprint (whose plan reaches the live peak)."""
+    path = model("vgg_small")
+    tensor = stashed_blobs(path, 32)[0]
+    plain = compile(path, Options(batch_size=32))
+    dropped = compile(path, Options(batch_size=32, recompute=[tensor]))
+    live_plain, live_dropped = live_by_step(plain.plan), live_by_step(dropped.plan)
+    peak = int(np.argmax(live_plain))
+    assert plain.program.steps[peak].kind == "backward"
+    assert dropped.program.steps[peak].label == plain.program.steps[peak].label    # replays come later
+    saving = align(plain.program.buffers[f"blob:{tensor}"].nbytes, plain.plan.alignment)
+    assert saving == 32 * 64 * 32 * 32 * 4
+    assert int(live_plain[peak]) - int(live_dropped[peak]) == saving
+    assert plain.plan.live_peak_bytes - dropped.plan.live_peak_bytes == saving
+    assert plain.plan.footprint_bytes == plain.plan.live_peak_bytes
+    assert plain.plan.footprint_bytes - dropped.plan.footprint_bytes == saving
+    report = plan_report(path, Options(batch_size=32, recompute=[tensor]))
+    row = next(row for row in report["stash"] if row["tensor"] == tensor)
+    assert row["encoding"] == "recomputed" and row["stored_bytes"] == 0
+
+
+def test_no_recomputation_leaves_the_program_alone():
+    program = compile(model("vgg_small"), Options(batch_size=4)).program
+    assert apply_recompute(program, ()) is program
+    assert not any(step.kind == "recompute" for step in program.steps)
+
+
+@pytest.mark.parametrize("tensor,message", [
+    ("nonesuch", r"recompute: 'nonesuch' is no tensor of this net$"),
+    ("conv1", r"recompute: 'conv1' is not stashed \(no backward step reads it\)$"),
+    ("data", r"recompute: 'data' is the net's input; it cannot be recomputed$"),
+    ("res1a_branch2a/bn.inv_std", r"recompute: 'res1a_branch2a/bn.inv_std' is a layer's saved tensor"),
+])
+def test_errors_name_the_tensor(tensor, message):
+    with pytest.raises(MinigistError, match=message):
+        compile(model("resnet20"), Options(batch_size=4, recompute=[tensor]))
+
+
+def test_a_layer_that_cannot_be_replayed_is_refused(monkeypatch):
+    monkeypatch.setattr(ReLU, "recomputable", False)
+    with pytest.raises(MinigistError, match=r"recompute: 'conv1@conv1/relu' cannot be recomputed: it needs a replay "
+                                            r"of 'conv1/relu' \(ReLU\), which cannot be replayed$"):
+        compile(model("resnet20"), Options(batch_size=4, recompute=["conv1@conv1/relu"]))
+
+
+def test_one_name_is_not_a_list():
+    with pytest.raises(MinigistError, match="expected a list of tensor names"):
+        Options(recompute="conv1@conv1/relu")
