@@ -25,10 +25,11 @@ from its replay to its last reader.
 
 Order: this pass runs before Gist's. Gist then never encodes what is recomputed (the dropped
 tensors have no backward reader left, and the rebuilt copies are made in the backward pass,
-where an encoding would save nothing); a stash that a replay reads is left as it is by Gist,
-since the replay needs its values, not a code a backward step could read instead. Run after
-Gist, this pass would have to rebuild tensors from encoded inputs and undo encodings already
-planned.
+where an encoding would save nothing), and it sees the replays as readers of the stashes they
+start from: those get only a code that holds their values (SSDC, not a 1-bit mask; under lossy
+modes a reduced precision, as any reader gets), decoded before the first replay or backward
+step that reads them. Run after Gist, this pass would have to rebuild tensors from encoded
+inputs and undo encodings already planned for the tensors it drops.
 """
 import numpy as np
 
