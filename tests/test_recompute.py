@@ -46,9 +46,9 @@ def stashed_blobs(path, batch_size=4):
     return [b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == "stash"]
 
 
-def train(path, data, alloc="static", gist="none", recompute=(), batch_size=4):
+def train(path, data, alloc="static", gist="none", recompute=(), batch_size=4, update="separate"):
     net = minigist.Net(path, batch_size=batch_size, seed=1, gist=gist, alloc=alloc, recompute=recompute,
-                       solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+                       update=update, solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
     if gist != "none":
         net.calibrate(data[:2])
     losses = [net.train_step(*batch) for batch in data]
@@ -84,6 +84,16 @@ def test_resnet20_recomputing_some_stashes_trains_bit_identically():
     expected_net, expected = reference("resnet20", "static", 2)
     net, losses = train(model("resnet20"), batches(2), recompute=tensors)
     assert any(step.layer.type == "BatchNorm" for step in recompute_steps(net))
+    assert_same_training(expected_net, expected, net, losses)
+
+
+def test_fused_updates_follow_the_replays():
+    """With update="fused" each layer's weights change right after its backward step: every
+    replay of a layer runs before that step, so it sees the iteration's weights."""
+    tensors = stashed_blobs(model("resnet20"))[1::3]
+    expected_net, expected = train(model("resnet20"), batches(2), update="fused")
+    net, losses = train(model("resnet20"), batches(2), recompute=tensors, update="fused")
+    assert recompute_steps(net)
     assert_same_training(expected_net, expected, net, losses)
 
 
@@ -137,10 +147,10 @@ def test_dropout_replays_its_mask(tmp_path, alloc, gist):
 
 
 def test_batchnorm_replay_leaves_running_sums_alone():
-    """The running sums of resnet20's BatchNorm layers after two steps with every stash
+    """The running sums of resnet20's BatchNorm layers after two steps with every other stash
     rebuilt equal those of a run without recomputation (updated once per step, not twice)."""
     expected_net, _ = reference("resnet20", "static", 2)
-    net, _ = train(model("resnet20"), batches(2), recompute=stashed_blobs(model("resnet20")))
+    net, _ = train(model("resnet20"), batches(2), recompute=stashed_blobs(model("resnet20"))[::2])
     replayed = {step.layer.name for step in recompute_steps(net) if step.layer.type == "BatchNorm"}
     assert replayed
     for layer in replayed:
@@ -172,6 +182,23 @@ def test_dropping_the_first_stash_saves_its_bytes_at_the_peak():
     report = plan_report(path, Options(batch_size=32, recompute=[tensor]))
     row = next(row for row in report["stash"] if row["tensor"] == tensor)
     assert row["encoding"] == "recomputed" and row["stored_bytes"] == 0
+
+
+def test_maps_rebuilt_on_the_way_are_freed_with_their_segment():
+    """resnet20 at batch 8, dynamic: only each dropped tensor's own copy outlives its segment (the maps
+    rebuilt on the way are read by replays alone), so dropping every stash keeps less than
+    dropping every other one, which keeps less than dropping none."""
+    path = model("resnet20")
+    tensors = stashed_blobs(path, 8)
+    plans = {which: compile(path, Options(batch_size=8, alloc="dynamic", recompute=chosen))
+             for which, chosen in (("none", []), ("every other", tensors[::2]), ("all", tensors))}
+    program = plans["all"].program
+    private = [b for b in program.buffers.values() if b.kind == "rec" and b.part]
+    assert private
+    for buffer in private:
+        assert program.steps[buffer.last_use].kind == "recompute", buffer.name
+    footprint = {which: compiled.plan.footprint_bytes for which, compiled in plans.items()}
+    assert footprint["all"] < footprint["every other"] < footprint["none"]
 
 
 def test_no_recomputation_leaves_the_program_alone():

@@ -19,9 +19,13 @@ whose forward draws random numbers (Dropout) replays with the numbers its forwar
 mask, still kept for its own backward). Any other saved tensor a replay writes goes to scratch:
 the backward reads the one the forward pass saved.
 
-Each tensor is rebuilt at most once per iteration: a rebuilt copy (a dropped tensor, or an
-unkept feature map on the way to one) serves every later segment and backward reader, living
-from its replay to its last reader.
+Segments are ordered as their tensors' first backward readers. A segment starts from kept
+tensors and from the copies earlier segments rebuilt (each dropped tensor's copy lives from its
+replay to its last backward reader); every other map it rebuilds on the way (an unkept feature
+map, or a dropped tensor whose own segment comes later) is its own, freed as soon as the
+segment is done with it. So dropping every stash keeps about one rebuilt copy at a time, at
+the price of replaying a chain from the net's input for each: memory against time, as in
+Chen et al.'s checkpointing.
 
 Order: this pass runs before Gist's. Gist then never encodes what is recomputed (the dropped
 tensors have no backward reader left, and the rebuilt copies are made in the backward pass,
@@ -31,33 +35,43 @@ modes a reduced precision, as any reader gets), decoded before the first replay 
 step that reads them. Run after Gist, this pass would have to rebuild tensors from encoded
 inputs and undo encodings already planned for the tensors it drops.
 """
+from dataclasses import replace
+
 import numpy as np
 
 from ..errors import MinigistError
+from ..executor import arrays_for
 from ..program import FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step
-from .gist import Encoding, _copy
+from .gist import Encoding
 
 
 class Replay:
     """A recompute step: the layer's forward once more (Layer.replay_forward)."""
 
     def bind(self, step, arrays, xp, stats):
-        from ..executor import arrays_for
         layer = step.layer
         x, y, p, saved, ws = (arrays_for(arrays, step.args[role]) for role in ("x", "y", "p", "saved", "ws"))
         return lambda: layer.replay_forward(xp, x, y, p, saved, ws)
+
+
+class _Segment:
+    """The replays that rebuild one dropped tensor (`target`, a blob buffer name, of `tensor`),
+    and the copies they write: {blob buffer: rec buffer}."""
+
+    def __init__(self, target, tensor):
+        self.target, self.tensor = target, tensor
+        self.steps, self.copies = [], {}
 
 
 class _Builder:
     def __init__(self, program, tensors):
         self.program = program
         self.graph = program.graph
-        self.buffers = {name: _copy(b) for name, b in program.buffers.items()}
+        self.buffers = {name: replace(b) for name, b in program.buffers.items()}   # the input left as it is
         self.steps = program.steps
         self.first_backward = next((i for i, s in enumerate(self.steps) if s.kind != "forward"), len(self.steps))
         self.dropped = {f"blob:{tensor}" for tensor in tensors}
-        self.rebuilt = {}       # blob buffer -> the rec buffer a replay wrote it into
-        self.replays = {}       # forward step index -> its replay's step index in the new order
+        self.rebuilt = {}       # dropped blob buffer -> the copy its segment rebuilt, which its readers read
 
     def check(self, tensor):
         """A one-line MinigistError unless `tensor` is a stashed blob whose chain can be re-run."""
@@ -86,41 +100,47 @@ class _Builder:
         buffer = self.buffers[name]
         return buffer.category == INPUT or (buffer.category == STASH and name not in self.dropped)
 
-    def source(self, name, tensor, segment):
-        """The buffer a replay reads for blob buffer `name`: kept, rebuilt before, or rebuilt now
-        (its producer's replay appended to `segment`)."""
+    def source(self, name, segment):
+        """The buffer a replay of `segment` reads for blob buffer `name`: kept, a dropped tensor's
+        copy rebuilt by an earlier segment, or rebuilt in this one (its producer's replay
+        appended first)."""
         if name in self.rebuilt:
             return self.rebuilt[name]
         if self.kept(name):
             return name
-        self.replay(self.producer_step(name, tensor), tensor, segment)
-        return self.rebuilt[name]
+        if name not in segment.copies:
+            self.replay(self.producer_step(name, segment.tensor), segment)
+        return segment.copies[name]
 
-    def replay(self, index, tensor, segment):
+    def replay(self, index, segment):
         """Append to `segment` the replay of forward step `index` (its inputs first)."""
         step = self.steps[index]
         layer = step.layer
-        x = [self.source(name, tensor, segment) for name in step.args["x"]]
+        x = [self.source(name, segment) for name in step.args["x"]]
         y = []
         for name in step.args["y"]:
             original = self.buffers[name]
-            rec = f"rec:{original.tensor}"
+            # the segment's own tensor gets the copy its backward readers read; every other top
+            # is the segment's alone, so that it is freed when the segment is done with it
+            rec = f"rec:{original.tensor}" if name == segment.target else f"rec:{original.tensor}#{segment.tensor}"
             self.buffers[rec] = Buffer(rec, original.shape, original.dtype, FEATURE, original.layer,
-                                       kind="rec", tensor=original.tensor)
-            self.rebuilt[name] = rec
+                                       kind="rec", tensor=original.tensor,
+                                       part="" if name == segment.target else segment.tensor)
+            segment.copies[name] = rec
             y.append(rec)
         if layer.forward_draws_random:   # the numbers the forward drew and saved, read again
             saved = dict(step.args["saved"])
         else:
-            saved = {part: self.scratch(self.buffers[name], layer, f"saved.{part}")
+            saved = {part: self.scratch(self.buffers[name], layer, f"saved.{part}", segment)
                      for part, name in step.args["saved"].items()}
-        ws = {part: self.scratch(decl, layer, part) for part, decl in layer.replay_workspace().items()}
-        segment.append(Step("recompute", layer, {"x": x, "y": y, "p": step.args["p"], "saved": saved, "ws": ws},
-                            op=Replay()))
+        ws = {part: self.scratch(decl, layer, part, segment) for part, decl in layer.replay_workspace().items()}
+        segment.steps.append(Step("recompute", layer, {"x": x, "y": y, "p": step.args["p"], "saved": saved,
+                                                       "ws": ws}, op=Replay()))
 
-    def scratch(self, decl, layer, part):
-        tensor = f"{layer.name}.recompute.{part}"
-        name = f"ws:{tensor}"
+    def scratch(self, decl, layer, part, segment):
+        """A replay's scratch buffer: one per replay, so that each lives for its step alone."""
+        tensor = f"{layer.name}.recompute.{segment.tensor}"
+        name = f"ws:{tensor}.{part}"
         dtype = decl.dtype if isinstance(decl, Buffer) else (decl.dtype or layer.dtype)
         self.buffers[name] = Buffer(name, tuple(decl.shape), np.dtype(dtype), WORKSPACE, layer.name,
                                     kind="ws", tensor=tensor, part=part)
@@ -135,9 +155,10 @@ class _Builder:
                     first_reader.setdefault(name, index)
         segments = {}
         for name in sorted(self.dropped, key=lambda n: first_reader[n]):
-            if name not in self.rebuilt:    # else an earlier segment rebuilt it on the way
-                self.replay(self.producer_step(name, self.buffers[name].tensor), self.buffers[name].tensor,
-                            segments.setdefault(first_reader[name], []))
+            segment = _Segment(name, self.buffers[name].tensor)
+            self.replay(self.producer_step(name, segment.tensor), segment)
+            self.rebuilt[name] = segment.copies[name]
+            segments.setdefault(first_reader[name], []).extend(segment.steps)
         steps = []
         for index, step in enumerate(self.steps):
             steps.extend(segments.get(index, []))
