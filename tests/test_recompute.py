@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 import minigist
+from minigist import onednn
 from minigist.errors import MinigistError
 from minigist.layers.activation import ReLU
 from minigist.memory import align
 from minigist.memory.report import live_by_step
 from minigist.passes.recompute import apply_recompute
 from minigist.pipeline import Options, compile, plan_report
+from minigist.testing import LayerRun, make_layer
 
 MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
 SMALL_MODELS = ["vgg_small", "resnet20", "inception_small"]
@@ -46,9 +48,9 @@ def stashed_blobs(path, batch_size=4):
     return [b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == "stash"]
 
 
-def train(path, data, alloc="static", gist="none", recompute=(), batch_size=4, update="separate"):
+def train(path, data, alloc="static", gist="none", recompute=(), batch_size=4, update="separate", conv="im2col"):
     net = minigist.Net(path, batch_size=batch_size, seed=1, gist=gist, alloc=alloc, recompute=recompute,
-                       update=update, solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+                       update=update, conv=conv, solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
     if gist != "none":
         net.calibrate(data[:2])
     losses = [net.train_step(*batch) for batch in data]
@@ -78,12 +80,73 @@ def recompute_steps(net):
     return [step for step in net.programs["train"].steps if step.kind == "recompute"]
 
 
+# ---- the layers' facts --------------------------------------------------------------------
+def replay(run, layer, saved):
+    """The replay of `run`'s last forward into fresh tops (the saved tensors as given)."""
+    tops = [np.full(shape, np.nan, layer.dtype) for shape in layer.top_shapes]
+    ws = {name: np.full(d.shape, np.nan, d.dtype or layer.dtype) for name, d in layer.replay_workspace().items()}
+    layer.replay_forward(np, run.bottoms, tops, run.params, saved, ws)
+    return tops
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (7, 4)])
+def test_batchnorm_replays_without_touching_its_running_sums(shape):
+    layer = make_layer('name: "bn" type: "BatchNorm" bottom: "x" top: "y"', [shape], np.float32)
+    assert layer.forward_updates_state and not layer.forward_draws_random and layer.recomputable
+    run = LayerRun(layer)
+    y = run.forward([np.random.default_rng(0).standard_normal(shape).astype(np.float32)])[0].copy()
+    sums = [p.copy() for p in run.params]
+    scratch = {"inv_std": np.full(layer.saved["inv_std"].shape, np.nan, np.float32)}
+    np.testing.assert_array_equal(replay(run, layer, scratch)[0], y)
+    np.testing.assert_array_equal(scratch["inv_std"], run.saved["inv_std"])
+    for before, after in zip(sums, run.params):
+        np.testing.assert_array_equal(after, before)
+    assert float(run.params[2][0]) == 1.0      # the forward updated them, once
+
+
+def test_batchnorm_with_global_stats_declares_no_state_effect():
+    layer = make_layer('name: "bn" type: "BatchNorm" bottom: "x" top: "y" batch_norm_param { use_global_stats: true }',
+                       [(2, 3)], np.float32)
+    assert not layer.forward_updates_state
+
+
+def test_dropout_replays_the_mask_it_saved():
+    layer = make_layer('name: "drop" type: "Dropout" bottom: "x" top: "y"', [(6, 50)], np.float32)
+    assert layer.forward_draws_random and not layer.forward_updates_state
+    assert layer.replay_workspace() == {}       # nothing to draw into
+    run = LayerRun(layer)
+    y = run.forward([np.random.default_rng(0).standard_normal((6, 50)).astype(np.float32)])[0].copy()
+    state = layer.rng.bit_generator.state
+    np.testing.assert_array_equal(replay(run, layer, run.saved)[0], y)
+    assert layer.rng.bit_generator.state == state
+    test_layer = make_layer('name: "drop" type: "Dropout" bottom: "x" top: "y"', [(6, 50)], np.float32, "TEST")
+    assert not test_layer.forward_draws_random
+
+
+def test_data_and_loss_layers_cannot_be_replayed():
+    data = make_layer('name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 } }', [])
+    loss = make_layer('name: "loss" type: "SoftmaxWithLoss" bottom: "x" bottom: "label" top: "loss"', [(2, 3), (2,)])
+    relu = make_layer('name: "relu" type: "ReLU" bottom: "x" top: "x"', [(2, 3)])
+    assert not data.recomputable and not loss.recomputable and relu.recomputable
+
+
+# ---- training ------------------------------------------------------------------------------
 def test_resnet20_recomputing_some_stashes_trains_bit_identically():
     """A quick one: every third stash of resnet20 dropped (BatchNorm replays among them)."""
     tensors = stashed_blobs(model("resnet20"))[::3]
     expected_net, expected = reference("resnet20", "static", 2)
     net, losses = train(model("resnet20"), batches(2), recompute=tensors)
     assert any(step.layer.type == "BatchNorm" for step in recompute_steps(net))
+    assert_same_training(expected_net, expected, net, losses)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="oneDNN is not available")
+def test_onednn_replays_train_bit_identically():
+    """oneDNN's convolutions replayed with their own scratchpads give the same bits."""
+    tensors = stashed_blobs(model("resnet20"))[::2]
+    expected_net, expected = train(model("resnet20"), batches(2), conv="onednn")
+    net, losses = train(model("resnet20"), batches(2), recompute=tensors, conv="onednn")
+    assert any(step.layer.type == "Convolution" for step in recompute_steps(net))
     assert_same_training(expected_net, expected, net, losses)
 
 
