@@ -2,8 +2,6 @@
 bit for bit like kept ones, alone and with lossless Gist, under static and dynamic allocation;
 BatchNorm's running sums are updated once and Dropout's mask is reused; the plan shrinks by
 what is no longer kept; and the errors name the tensor."""
-import os
-
 import numpy as np
 import pytest
 
@@ -16,9 +14,8 @@ from minigist.memory.report import live_by_step
 from minigist.passes.recompute import apply_recompute
 from minigist.pipeline import Options, compile, plan_report
 from minigist.testing import LayerRun, make_layer
+from test_gist import SMALL_MODELS, batches, model
 
-MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "models")
-SMALL_MODELS = ["vgg_small", "resnet20", "inception_small"]
 
 DROPOUT_NET = """
 layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 4 dim: 6 } shape { dim: 4 } } }
@@ -30,16 +27,6 @@ layer { name: "drop2" type: "Dropout" bottom: "fc2" top: "fc2" dropout_param { d
 layer { name: "fc3" type: "InnerProduct" bottom: "fc2" top: "fc3" inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc3" bottom: "label" top: "loss" }
 """
-
-
-def model(name):
-    return os.path.join(MODELS_DIR, name + ".prototxt")
-
-
-def batches(count, batch_size=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return [(rng.standard_normal((batch_size, 3, 32, 32)).astype(np.float32),
-             rng.integers(0, 10, batch_size)) for _ in range(count)]
 
 
 def stashed_blobs(path, batch_size=4):

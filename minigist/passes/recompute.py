@@ -23,9 +23,9 @@ Segments are ordered as their tensors' first backward readers. A segment starts 
 tensors and from the copies earlier segments rebuilt (each dropped tensor's copy lives from its
 replay to its last backward reader); every other map it rebuilds on the way (an unkept feature
 map, or a dropped tensor whose own segment comes later) is its own, freed as soon as the
-segment is done with it. So dropping every stash keeps about one rebuilt copy at a time, at
-the price of replaying a chain from the net's input for each: memory against time, as in
-Chen et al.'s checkpointing.
+segment is done with it. So dropping every stash keeps only the copies whose backward readers
+are still to come, at the price of replaying a chain from the net's input for each: memory
+against time, as in the checkpointing of Chen et al. (2016).
 
 Order: this pass runs before Gist's. Gist then never encodes what is recomputed (the dropped
 tensors have no backward reader left, and the rebuilt copies are made in the backward pass,
