@@ -1,7 +1,8 @@
 """Gist's schedule builder: a pass over a training program.
 
 Reads: the training program (typed buffers, liveness; after passes/recompute.py, whose
-replays' inputs it leaves as they are), the graph's layer facts (sparse_output,
+replays are readers too: the stashes they start from get only codes that hold their values,
+decoded before the first replay), the graph's layer facts (sparse_output,
 keeps_zeros, argmax_positions, mask_backward, gradient_only_where_positive, elementwise,
 stream_chunk/stream_role, reads_half, emits_top_slices) and the GistConfig.
 Provides: a new program with encode and decode steps and Gist's step kinds
