@@ -165,13 +165,13 @@ def report_extra(config, update, conv, graph):
 
 def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
                    gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
-                   conv="im2col", add_loss=False, input_channels=None):
+                   conv="im2col", add_loss=False, input_channels=None, recompute=()):
     """The footprint report of one training iteration, computed from shapes alone: no array
     is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
     (measured densities: a plan cannot see data)."""
     options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels, dtype=dtype,
                       conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, update=update,
-                      densities=ssdc_density, add_loss=add_loss)
+                      densities=ssdc_density, add_loss=add_loss, recompute=recompute)
     return plan_report(model, options)
 
 

@@ -251,6 +251,16 @@ def test_maps_rebuilt_on_the_way_are_freed_with_their_segment():
     assert footprint["all"] < footprint["every other"] < footprint["none"]
 
 
+def test_plan_footprint_and_the_net_report_agree():
+    """plan_footprint(recompute=...) plans what a Net with the same tensors allocates."""
+    tensors = stashed_blobs(model("resnet20"))[::2]
+    planned = minigist.plan_footprint(model("resnet20"), batch_size=4, recompute=tensors)
+    net = minigist.Net(model("resnet20"), batch_size=4, recompute=tensors)
+    assert net.report()["footprint_bytes"] == planned["footprint_bytes"]
+    assert planned["footprint_bytes"] < minigist.plan_footprint(model("resnet20"), batch_size=4)["footprint_bytes"]
+    assert planned["stash_by_encoding"]["recomputed"] == 0
+
+
 def test_no_recomputation_leaves_the_program_alone():
     program = compile(model("vgg_small"), Options(batch_size=4)).program
     assert apply_recompute(program, ()) is program
