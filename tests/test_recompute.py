@@ -268,10 +268,12 @@ def test_no_recomputation_leaves_the_program_alone():
 
 
 @pytest.mark.parametrize("tensor,message", [
-    ("nonesuch", r"recompute: 'nonesuch' is no tensor of this net$"),
+    ("nonesuch", r"recompute: 'nonesuch' is no top of this net$"),
+    ("conv1.weight", r"recompute: 'conv1.weight' is no top of this net$"),
     ("conv1", r"recompute: 'conv1' is not stashed \(no backward step reads it\)$"),
     ("data", r"recompute: 'data' is the net's input; it cannot be recomputed$"),
-    ("res1a_branch2a/bn.inv_std", r"recompute: 'res1a_branch2a/bn.inv_std' is a layer's saved tensor"),
+    ("res1a_branch2a/bn.inv_std",
+     r"recompute: 'res1a_branch2a/bn.inv_std' is a layer's saved tensor; only tops can be recomputed$"),
 ])
 def test_errors_name_the_tensor(tensor, message):
     with pytest.raises(MinigistError, match=message):

@@ -78,9 +78,9 @@ class _Builder:
         name = f"blob:{tensor}"
         buffer = self.program.buffers.get(name)
         if buffer is None:
-            saved = any(b.tensor == tensor for b in self.program.buffers.values())
-            what = "a layer's saved tensor, not a top: only tops" if saved else "no tensor of this net"
-            raise MinigistError(f"recompute: '{tensor}' is {what}" + (" can be recomputed" if saved else ""))
+            if any(b.kind == "saved" and b.tensor == tensor for b in self.program.buffers.values()):
+                raise MinigistError(f"recompute: '{tensor}' is a layer's saved tensor; only tops can be recomputed")
+            raise MinigistError(f"recompute: '{tensor}' is no top of this net")
         if buffer.category == INPUT:
             raise MinigistError(f"recompute: '{tensor}' is the net's input; it cannot be recomputed")
         if buffer.category != STASH:
