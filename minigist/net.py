@@ -55,11 +55,11 @@ class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
-                 conv="im2col", add_loss=False, input_channels=None, threads=None):
+                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=()):
         self.options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels,
                                device=device, dtype=dtype, conv=conv, alloc=alloc, gist=gist, dpr=dpr,
                                binarize=binarize, overrides=gist_overrides, update=update, budget=memory_budget,
-                               densities=ssdc_density, add_loss=add_loss)
+                               densities=ssdc_density, add_loss=add_loss, recompute=recompute)
         self.xp = get_xp(device)
         self.dtype = self.options.dtype
         self.seed = seed

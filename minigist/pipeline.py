@@ -5,7 +5,8 @@ and train.py.
     compiled.plan.footprint_bytes       # exact, before anything is allocated
 
 `compile` builds the graph of one phase (or takes one already built), runs the passes in
-order (passes/backward.py, then for training passes/gist.py, then passes/inplace.py) and
+order (passes/backward.py, then for training passes/recompute.py and passes/gist.py, then
+passes/inplace.py) and
 plans the program's memory. Options is frozen: a changed setting (densities measured by a
 calibration, a new budget) is a new Options, and a new compile.
 """
@@ -23,6 +24,7 @@ from .memory.report import footprint_report
 from .passes.backward import build_program
 from .passes.gist import apply_gist
 from .passes.inplace import mark_inplace
+from .passes.recompute import apply_recompute
 
 UPDATES = ("separate", "fused")
 CONV_ENGINES = Convolution.ENGINES
@@ -39,7 +41,9 @@ class Options:
 
     overrides: {layer or stashed tensor name: encoding name}; densities: {tensor name: the
     largest fraction of non-zeros SSDC plans for}; budget: bytes the plan must fit (None: no
-    limit); conv: an engine of CONV_CHOICES ("auto" is settled by `resolve_conv`)."""
+    limit); conv: an engine of CONV_CHOICES ("auto" is settled by `resolve_conv`); recompute:
+    stashed tensors (buffer.tensor names, e.g. "conv1@relu1") dropped after the forward pass
+    and rebuilt before their backward use (passes/recompute.py)."""
     batch_size: int = None
     input_size: int = None
     input_channels: int = None
@@ -55,11 +59,15 @@ class Options:
     budget: int = None
     densities: tuple = field(default=())
     add_loss: bool = False
+    recompute: tuple = field(default=())
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
         object.__setattr__(self, "overrides", _frozen_items(self.overrides))
         object.__setattr__(self, "densities", _frozen_items(self.densities))
+        if isinstance(self.recompute, str):     # one name, not its characters
+            raise MinigistError(f"recompute: expected a list of tensor names, got {self.recompute!r}")
+        object.__setattr__(self, "recompute", tuple(dict.fromkeys(self.recompute or ())))
         if self.alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {self.alloc!r}")
         if self.update not in UPDATES:
@@ -98,12 +106,14 @@ def build(model, options, phase="TRAIN", xp=np):
 
 
 def run_passes(graph, options, phase="TRAIN", calibrating=False):
-    """The passes in order: the backward program (an inference program for TEST), Gist's
-    schedule (training only; `calibrating` plans every SSDC candidate at full capacity so that
-    a run can measure its density), then the in-place pairs."""
+    """The passes in order: the backward program (an inference program for TEST), the
+    recomputation of `options.recompute` and Gist's schedule (training only; before Gist, so
+    that Gist encodes nothing that is recomputed; `calibrating` plans every SSDC candidate at
+    full capacity so that a run can measure its density), then the in-place pairs."""
     train = phase == "TRAIN"
     program = build_program(graph, train=train, fused_update=options.update == "fused")
     if train:
+        program = apply_recompute(program, options.recompute)
         program = apply_gist(program, options.gist_config(), calibrating)
     return mark_inplace(program)
 
@@ -155,13 +165,13 @@ def report_extra(config, update, conv, graph):
 
 def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
                    gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
-                   conv="im2col", add_loss=False, input_channels=None):
+                   conv="im2col", add_loss=False, input_channels=None, recompute=()):
     """The footprint report of one training iteration, computed from shapes alone: no array
     is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
     (measured densities: a plan cannot see data)."""
     options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels, dtype=dtype,
                       conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, update=update,
-                      densities=ssdc_density, add_loss=add_loss)
+                      densities=ssdc_density, add_loss=add_loss, recompute=recompute)
     return plan_report(model, options)
 
 

@@ -39,7 +39,8 @@ class Site:
     """One stashed tensor, as the rules see it."""
     buffer: object                    # the Buffer (kind, tensor, part, shape, dtype)
     producer: object                  # the layer that writes it
-    readers: list                     # layers of the backward steps that read it
+    readers: list                     # layers of the backward-pass steps that read it (backward
+                                      # steps; a recomputation's replays, which need its values)
     consumers: list                   # layers that read it in the forward pass (a blob's)
     config: object                    # the GistConfig
     sparse: bool = False              # a sparse-prone map (rule 4)

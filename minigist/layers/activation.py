@@ -117,6 +117,13 @@ class Dropout(Layer):
             return {"uniform": TensorDecl(self.bottom_shapes[0])}
         return {}
 
+    @property
+    def forward_draws_random(self):
+        return self.train
+
+    def replay_workspace(self):
+        return {}   # the replay draws nothing: no uniform numbers
+
     def forward(self, xp, x, y, p, saved, ws):
         if not self.train:
             xp.multiply(x[0], self.scale, out=y[0])
@@ -124,6 +131,16 @@ class Dropout(Layer):
         uniform, mask = ws["uniform"], saved["mask"]
         self.rng.random(out=uniform, dtype=uniform.dtype)
         xp.greater_equal(uniform, self.ratio, out=mask)
+        self._apply_mask(xp, x, y, mask)
+
+    def replay_forward(self, xp, x, y, p, saved, ws):
+        """The training forward with the mask it saved: the same top, nothing drawn."""
+        if not self.train:
+            self.forward(xp, x, y, p, saved, ws)
+            return
+        self._apply_mask(xp, x, y, saved["mask"])
+
+    def _apply_mask(self, xp, x, y, mask):
         xp.multiply(x[0], mask, out=y[0])
         y[0] *= self.scale
 

@@ -7,7 +7,9 @@ in `setup` before any array exists, and then declares everything it needs as sha
 - `keeps_bottoms` / `keeps_tops`: which inputs / outputs its backward reads (the "stash");
 - `saved`: private tensors that forward writes and backward reads (MaxPool's argmax,
   Dropout's mask); they are part of the stash too;
-- `workspace(phase)`: scratch tensors for one forward or backward call (im2col columns).
+- `workspace(phase)`: scratch tensors for one forward or backward call (im2col columns);
+- what re-running its forward involves (`recomputable`, `forward_updates_state`,
+  `forward_draws_random`, `replay_forward`): what the recomputation pass relies on.
 
 `forward` and `backward` receive every array from the executor (views into planned memory)
 and write their results into the arrays they are handed, through `xp` (numpy or cupy).
@@ -167,6 +169,29 @@ class Layer:
     def inplace_safe(self, bottom_index, top_index):
         """Whether top `top_index` may overwrite bottom `bottom_index` in forward and backward."""
         return False
+
+    # facts about re-running the forward, which recomputation relies on (passes/recompute.py):
+    forward_updates_state = False   # forward writes state params (BatchNorm's running sums)
+    forward_draws_random = False    # forward draws random numbers, kept in `saved` (Dropout's mask)
+
+    @property
+    def recomputable(self):
+        """Whether `replay_forward` may rebuild its tops in the backward pass: not a data
+        layer's (the executor writes them) nor a loss layer's."""
+        return not (self.is_data or self.is_loss)
+
+    def replay_workspace(self):
+        """The scratch tensors of one `replay_forward` call."""
+        return self.workspace("forward")
+
+    def replay_forward(self, xp, x, y, p, saved, ws):
+        """The forward once more, writing the same tops bit for bit: no state written
+        (forward_updates_state) and the random numbers the forward kept in `saved` reused, not
+        drawn again (forward_draws_random: `saved` is then read only); for other layers `saved`
+        is scratch the replay may write. A layer with either fact overrides this."""
+        if self.forward_updates_state or self.forward_draws_random:
+            raise NotImplementedError(f"{self.type} declares forward effects but no replay_forward")
+        self.forward(xp, x, y, p, saved, ws)
 
     def forward(self, xp, x, y, p, saved, ws):
         raise NotImplementedError

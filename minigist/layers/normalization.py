@@ -146,9 +146,19 @@ class BatchNorm(Layer):
         # stashes passes encode are float32 ones
         return not self.use_global and self.dtype == np.float32
 
-    def forward(self, xp, x, y, p, saved, ws, emit=None):
+    @property
+    def forward_updates_state(self):
+        return not self.use_global     # the running sums
+
+    def replay_forward(self, xp, x, y, p, saved, ws):
+        """The forward without the running-sum update: the same y and inv_std."""
+        self.forward(xp, x, y, p, saved, ws, update_running=False)
+
+    def forward(self, xp, x, y, p, saved, ws, emit=None, update_running=True):
         """`emit` (emits_top_slices): called as emit(n0, n1, scratch) with each final slice
-        of y in the last pass, `scratch` the forward's `square` workspace, free by then."""
+        of y in the last pass, `scratch` the forward's `square` workspace, free by then.
+        update_running=False leaves the running sums as they are (a recomputation's replay:
+        they were updated once, by the forward pass)."""
         x3 = x[0].reshape(self.shape3)
         y3 = y[0].reshape(self.shape3)
         if self.use_global:
@@ -179,15 +189,8 @@ class BatchNorm(Layer):
                 xp.multiply(yc, yc, out=sq)
             self._channel_sum(xp, sq, var, part, n0 == 0, ws)
         xp.divide(var, m, out=var)
-        # running sums, exactly as Caffe: s = s*maf + 1, mean = mean*maf + mean_b,
-        # variance = variance*maf + var_b * m/(m-1)
-        p[2] *= self.maf
-        p[2] += 1
-        p[0] *= self.maf
-        p[0] += mean
-        correction = m / (m - 1) if m > 1 else 1.0
-        p[1] *= self.maf
-        p[1] += var * correction
+        if update_running:
+            self._update_running(p, mean, var, m)
         inv_std = var
         xp.add(var, self.eps, out=inv_std)
         xp.sqrt(inv_std, out=inv_std)
@@ -201,6 +204,17 @@ class BatchNorm(Layer):
                 xp.multiply(yc, inv_std[:, None], out=yc)
             if emit is not None:
                 emit(n0, n0 + yc.shape[0], square[:yc.shape[0]])
+
+    def _update_running(self, p, mean, var, m):
+        """The running sums, exactly as Caffe: s = s*maf + 1, mean = mean*maf + mean_b,
+        variance = variance*maf + var_b * m/(m-1)."""
+        p[2] *= self.maf
+        p[2] += 1
+        p[0] *= self.maf
+        p[0] += mean
+        correction = m / (m - 1) if m > 1 else 1.0
+        p[1] *= self.maf
+        p[1] += var * correction
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:

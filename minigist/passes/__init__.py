@@ -2,6 +2,7 @@
 minigist.pipeline.compile:
 
 - backward.build_program: graph -> the training (or inference) program;
+- recompute.apply_recompute: stashed tensors dropped and rebuilt by re-running forward steps;
 - gist.apply_gist: Gist's schedule builder (encode / decode steps, Gist's step kinds);
 - inplace.mark_inplace: which steps may write their output over their input.
 

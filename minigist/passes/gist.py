@@ -1,6 +1,8 @@
 """Gist's schedule builder: a pass over a training program.
 
-Reads: the training program (typed buffers, liveness), the graph's layer facts (sparse_output,
+Reads: the training program (typed buffers, liveness; after passes/recompute.py, whose
+replays are readers too: the stashes they start from get only codes that hold their values,
+decoded before the first replay), the graph's layer facts (sparse_output,
 keeps_zeros, argmax_positions, mask_backward, gradient_only_where_positive, elementwise,
 stream_chunk/stream_role, reads_half, emits_top_slices) and the GistConfig.
 Provides: a new program with encode and decode steps and Gist's step kinds
@@ -94,11 +96,15 @@ class _Builder:
         self.calibrating = calibrating
         self.steps = program.steps
         self.first_backward = next((i for i, s in enumerate(self.steps) if s.kind != "forward"), len(self.steps))
-        self.readers = {}     # buffer -> indices of backward steps that read it
+        self.readers = {}     # buffer -> indices of backward-pass steps that read it
+        # stashes that a step of the backward pass other than a backward reads (a
+        # recomputation's replay of a forward step): it needs their values, so they get only a
+        # code that holds them, decoded whole before it (no mask, no fp16 read as it is, no stream)
+        self.read_as_values = set()
         for index in range(self.first_backward, len(self.steps)):
             step = self.steps[index]
             if step.kind != "backward":
-                continue
+                self.read_as_values.update(step.buffer_names(("x", "y", "saved")))
             for role in ("x", "y", "saved"):
                 for name in names_in(step.args.get(role)):
                     self.readers.setdefault(name, []).append(index)
@@ -261,12 +267,15 @@ class _Builder:
             if buffers[name].category == STASH:   # the FP32 map no longer waits for the backward
                 buffers[name].category = FEATURE
         result = Program(program.graph, buffers, steps, program.outputs, program.loss_weights)
-        result.encodings = encodings
+        result.encodings = {**program.encodings, **encodings}   # an earlier pass's (recomputed) too
         return result
 
     def rewrite(self, index, step, renames, encodings):
-        if step.kind != "backward":
-            return step
+        if step.kind != "backward":     # a replay reads the decoded copies; a forward, nothing
+            if not renames:
+                return step
+            return Step(step.kind, step.layer, {role: _rename(value, renames) for role, value in step.args.items()},
+                        op=step.op, note=step.note)
         args = {role: _rename(value, renames) for role, value in step.args.items()}
         op = None
         if index in self.identity_relus:
@@ -289,7 +298,8 @@ class _Builder:
         """Whether every backward reader takes the stash `name` as float16 (Layer.reads_half,
         in its stream_role's first place and nowhere else in the step), so that its DPR fp16
         codes serve as they are (HalfStash)."""
-        if type(codec) is not DPR or codec.fmt != "fp16" or self.program.buffers[name].dtype != np.float32:
+        if (type(codec) is not DPR or codec.fmt != "fp16" or self.program.buffers[name].dtype != np.float32
+                or name in self.read_as_values):
             return False
         for index in self.readers[name]:
             step = self.steps[index]
@@ -317,7 +327,8 @@ class _Builder:
         `stream_role` "y": a convolution, an LRN, a Scale, a BatchNorm's x_hat; or an
         elementwise layer reading it as its top: a ReLU), for a codec of values (SSDC, DPR);
         else 0."""
-        if not isinstance(codec, (SSDC, DPR)) or self.program.buffers[name].kind != "blob":
+        if (not isinstance(codec, (SSDC, DPR)) or self.program.buffers[name].kind != "blob"
+                or name in self.read_as_values):
             return 0
         buffer = self.program.buffers[name]
         if buffer.shape[0] != self.graph.batch_size or buffer.nbytes < STREAM_MIN_BYTES:
