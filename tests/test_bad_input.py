@@ -55,6 +55,7 @@ def damaged_copy(tmp_path, data):
 
 
 # ---- 1. damaged checkpoints, malformed metadata, Net.load --------------------------------
+@pytest.mark.slow
 def test_damaged_checkpoints_are_one_error_or_read_exactly(checkpoint_file, tmp_path):
     """Truncations at many offsets and single-byte flips all over the file: each is a
     MinigistError naming the file, or (a flip where neither zip nor the digest looks, e.g. a

@@ -547,6 +547,7 @@ def _plan_report(tmp_path, capsys, *argv):
     return json.loads(report_path.read_text()), capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_only_takes_the_bundled_densities_as_the_gist_table_does(tmp_path, capsys):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import gist_table
