@@ -343,8 +343,11 @@ def test_checkpoint_holding_nan_is_never_resumed(checkpoint_file, tmp_path):
 def test_ctrl_c_names_the_iteration_and_the_resume_command(tiny, tmp_path):
     argv = ["--model", tiny, *map(str, SYNTH), "--iters", "100000", "--checkpoint", str(tmp_path),
             "--checkpoint-every", "1"]
+    # SIGINT at its default in the child, so that Python installs its handler there: a shell's
+    # background job (nohup, `pytest &` in a script) starts with SIGINT ignored, and the child
+    # would inherit that and never see the Ctrl-C
     process = subprocess.Popen([sys.executable, TRAIN, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, cwd=ROOT)
+                               text=True, cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not (tmp_path / CHECKPOINT_NAME).exists() and time.time() < deadline and process.poll() is None:
         time.sleep(0.02)
