@@ -340,7 +340,8 @@ def check_no_overlap_fast(blocks):
             assert o1 + s1 <= o2, (step, o1, s1, o2)
 
 
-@pytest.mark.parametrize("name", SMALL_MODELS)
+@pytest.mark.parametrize("name", [name if name == "resnet20" else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in SMALL_MODELS])
 def test_small_models_train_bit_identically_in_every_mode(name):
     """Convolutions write gx over gy where shapes allow, ReLU and BN in place: same bits."""
     rng = np.random.default_rng(3)
