@@ -348,12 +348,17 @@ def test_ctrl_c_names_the_iteration_and_the_resume_command(tiny, tmp_path):
     # would inherit that and never see the Ctrl-C
     process = subprocess.Popen([sys.executable, TRAIN, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 60
-    while not (tmp_path / CHECKPOINT_NAME).exists() and time.time() < deadline and process.poll() is None:
-        time.sleep(0.02)
-    time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=60)
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / CHECKPOINT_NAME).exists() and time.time() < deadline and process.poll() is None:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:                                  # a run that ignored the Ctrl-C would train on (100,000 iterations)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
     assert process.returncode == 130, err
     line = err.strip().splitlines()[-1]
     held = read_checkpoint(str(tmp_path))[0]["iteration"]
