@@ -27,7 +27,14 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not in
 RNG = np.random.default_rng(77)
 
 
-@pytest.fixture(params=["plain", "fast", "shuffle"])
+# the variant this CPU runs by default (kernels.VECTOR, else SHUFFLE, else HALF): the quick
+# subset (-m "not slow") runs that one, the full suite all three
+DEFAULT_VARIANT = ("fast" if kernels.VECTOR else "shuffle" if kernels.SHUFFLE else
+                   "fast" if kernels.HALF else "plain")
+
+
+@pytest.fixture(params=[v if v == DEFAULT_VARIANT else pytest.param(v, marks=pytest.mark.slow)
+                        for v in ("plain", "fast", "shuffle")])
 def kernel_variant(request):
     """plain: integer fp16, scalar SSDC; fast: F16C and AVX-512 compress/expand where the CPU
     has them; shuffle: F16C with SSDC's bitmap through SSSE3's byte shuffle, the forms a CPU
