@@ -309,6 +309,7 @@ def test_resume_needs_a_checkpoint_unless_asked_if_present(tiny, tmp_path):
 
 
 # ---- 13. a NaN loss, then the advice followed ------------------------------------------------
+@pytest.mark.slow
 def test_nan_loss_advice_resumes_with_a_lower_lr(tiny, tmp_path):
     """A resume with a much higher lr blows up; the message names the checkpoint it keeps (the
     iteration-3 one, finite) and the command to resume it with a lower lr, which now works."""
