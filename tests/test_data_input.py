@@ -252,6 +252,7 @@ def test_train_accuracy_sample_is_stratified():
     assert len(data.train_sample(10**6)) == len(data.train)
 
 
+@pytest.mark.slow
 def test_train_py_measures_train_accuracy_on_the_sample(monkeypatch):
     seen = []
     real = trainer.evaluate

@@ -342,7 +342,7 @@ def test_an_fp16_stash_with_a_reader_that_needs_float32_is_decoded(tmp_path):
     assert type(encodings["blob:b0"].codec) is DPR and encodings["blob:b0"].decoded
 
 
-@pytest.mark.parametrize("name,batch", [("resnet20", 4), ("resnet50", 2)])
+@pytest.mark.parametrize("name,batch", [("resnet20", 4), pytest.param("resnet50", 2, marks=pytest.mark.slow)])
 def test_dpr_encodes_feature_maps_of_4_kib_and_more(name, batch):
     """Under `lossy`, BatchNorm's per-channel inv_std stays float32, small (ResNet-20's 16-64
     floats) or not (ResNet-50's up to 2048), and so does a feature map under 4 KiB (ResNet-20's

@@ -27,7 +27,14 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not in
 RNG = np.random.default_rng(77)
 
 
-@pytest.fixture(autouse=True, params=["plain", "fast", "shuffle"])
+# the variant this CPU runs by default (kernels.VECTOR, else SHUFFLE, else HALF): the quick
+# subset (-m "not slow") runs that one, the full suite all three
+DEFAULT_VARIANT = ("fast" if kernels.VECTOR else "shuffle" if kernels.SHUFFLE else
+                   "fast" if kernels.HALF else "plain")
+
+
+@pytest.fixture(params=[v if v == DEFAULT_VARIANT else pytest.param(v, marks=pytest.mark.slow)
+                        for v in ("plain", "fast", "shuffle")])
 def kernel_variant(request):
     """plain: integer fp16, scalar SSDC; fast: F16C and AVX-512 compress/expand where the CPU
     has them; shuffle: F16C with SSDC's bitmap through SSSE3's byte shuffle, the forms a CPU
@@ -44,7 +51,7 @@ def kernel_variant(request):
     kernels.set_shuffle(previous[2])
 
 
-@pytest.fixture(autouse=True, params=[1, 3], ids=["1 thread", "3 threads"])
+@pytest.fixture(params=[1, 3], ids=["1 thread", "3 threads"])
 def kernel_threads(request, monkeypatch):
     """The DPR and SSDC bitmap kernels on one thread, and split into parts of whole 256-element
     blocks on three (parts of at least 256 elements here, so that small tensors split too):
@@ -52,6 +59,10 @@ def kernel_threads(request, monkeypatch):
     monkeypatch.setattr(kernels, "PARALLEL_MIN", 256)
     with kernels.threads(request.param):
         yield request.param
+
+
+# the variant matrix, for the tests whose kernels read the variant and thread settings
+VARIANTS = pytest.mark.usefixtures("kernel_threads", "kernel_variant")
 
 
 def awkward_floats(n, rng=RNG):
@@ -77,6 +88,7 @@ def ufunc_then_kernel(fn):
     return a, b
 
 
+@VARIANTS
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 1000, 98305, 200003])
 def test_dpr_encode_same_codes(fmt, n):
@@ -93,6 +105,7 @@ def test_dpr_encode_same_codes(fmt, n):
     assert ufunc.tobytes() == kernel.tobytes()
 
 
+@VARIANTS
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_dpr_decode_every_code(fmt):
     dpr = DPR(fmt)
@@ -137,6 +150,7 @@ def used_bytes(codec, enc, n):
     return enc["data"][:2].tobytes() + values.tobytes() + tail
 
 
+@VARIANTS
 @pytest.mark.parametrize("values", ["fp32", "fp16", "fp8-e4m3", "fp8-e5m2"])
 @pytest.mark.parametrize("fmt", ["csr", "bitmap"])
 @pytest.mark.parametrize("n,density", [(1, 1.0), (7, 0.5), (256, 0.0), (257, 1.0), (1000, 0.05),
@@ -173,6 +187,7 @@ def test_kernels_serve_only_numpy_and_contiguous_arrays():
         assert not kernels.active(np, a)
 
 
+@VARIANTS
 def test_the_codecs_switch_leaves_the_other_kernels_on():
     from minigist import jit
     a = np.zeros(10, np.float32)
@@ -184,6 +199,7 @@ def test_the_codecs_switch_leaves_the_other_kernels_on():
         assert kernels.active(np, a)
 
 
+@VARIANTS
 def test_the_kernels_run_when_on(monkeypatch):
     """The codecs take the kernel path when it is on (and the ufunc path when it is off)."""
     calls = []
@@ -200,6 +216,7 @@ def test_the_kernels_run_when_on(monkeypatch):
     assert calls == [1]
 
 
+@VARIANTS
 def test_describe_names_the_path():
     with kernels.use_kernels(True):
         assert kernels.describe(np).startswith(f"numba {kernels.numba.__version__} kernels")
@@ -208,15 +225,10 @@ def test_describe_names_the_path():
         assert kernels.describe(np) == "ufunc path (switched off)"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["resnet20", "vgg_small", "inception_small"])
-@pytest.mark.parametrize("gist", ["none", "all"])
-def test_training_is_the_same_with_and_without_kernels(model, gist):
-    """Two SGD steps without Gist and under Gist `all` (DPR and SSDC stashes; mask and
+def train_with_and_without_kernels(model, gist):
+    """Two SGD steps without Gist or under Gist `all` (DPR and SSDC stashes; mask and
     ReLU->pool codes): the same losses and weights, bit for bit, with every kernel (codecs,
     pooling, BatchNorm/Scale/ReLU, the convolution's layout copies) on and off."""
-    import os
-
     import minigist
     path = os.path.join(os.path.dirname(__file__), "..", "models", model + ".prototxt")
     rng = np.random.default_rng(5)
@@ -232,6 +244,22 @@ def test_training_is_the_same_with_and_without_kernels(model, gist):
     (losses_off, weights_off), (losses_on, weights_on) = results
     assert losses_on == losses_off
     assert all(weights_on[k].tobytes() == weights_off[k].tobytes() for k in weights_off)
+
+
+@pytest.mark.slow
+@VARIANTS
+@pytest.mark.parametrize("model", ["resnet20", "vgg_small", "inception_small"])
+def test_training_is_the_same_with_and_without_kernels(model):
+    """Under Gist `all` the codecs' kernels run, so every variant and thread count."""
+    train_with_and_without_kernels(model, "all")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["resnet20", "vgg_small", "inception_small"])
+def test_training_without_gist_is_the_same_with_and_without_kernels(model):
+    """Without Gist no codec runs: pooling's, BatchNorm/Scale/ReLU's and the layout copies'
+    kernels read none of the codec variant or thread settings, so one run each."""
+    train_with_and_without_kernels(model, "none")
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 65536 * 2 + 13])
@@ -281,6 +309,7 @@ def test_relu_pool_codes_same_bytes(shape):
     np.testing.assert_array_equal(kernel_out, np.where(pool_out > 0, argmax, 9))
 
 
+@VARIANTS
 @pytest.mark.parametrize("fmt", ["bitmap", "csr"])
 def test_ssdc_kernels_refuse_a_corrupt_encoding(fmt):
     """A bitmap or row pointers that disagree with the header are refused (ValueError) before
@@ -328,6 +357,7 @@ def test_kernels_compile_for_a_generic_cpu(tmp_path):
         "print('ok')\n")
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path),
                PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
+    env.pop("NUMBA_CPU_FEATURES", None)       # a generic CPU's features, not an emulated one's (avx2_environment)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 

@@ -175,7 +175,8 @@ def test_summary_lists_layers_and_parameter_count(branchy):
     assert "fc_a" in text and "InnerProduct" in text and "6x7" in text
 
 
-@pytest.mark.parametrize("name", ["vgg_small", "resnet20", "inception_small"])
+@pytest.mark.parametrize("name", [pytest.param("vgg_small", marks=pytest.mark.slow), "resnet20",
+                                  pytest.param("inception_small", marks=pytest.mark.slow)])
 def test_small_models_fit_a_fixed_batch(name):
     """A few SGD steps on one fixed batch bring the loss down."""
     path = os.path.join(os.path.dirname(__file__), "..", "models", name + ".prototxt")

@@ -127,6 +127,7 @@ def train(net, data, steps=3):
     return losses, {k: np.array(v) for k, v in net.params().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["resnet20", "vgg_small"])
 def test_onednn_nets_train_like_im2col_and_repeat_bit_for_bit(model):
     ours = small_net(model, conv="onednn")

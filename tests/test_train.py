@@ -547,6 +547,7 @@ def _plan_report(tmp_path, capsys, *argv):
     return json.loads(report_path.read_text()), capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_only_takes_the_bundled_densities_as_the_gist_table_does(tmp_path, capsys):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import gist_table
@@ -648,6 +649,7 @@ def test_evaluation_runs_at_the_test_batch_counting_a_padded_last_batch_exactly(
     assert both["evaluation"]["batch_size"] == both["batch_size"] == 5
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_evaluating_at_the_test_batch(tmp_path):
     """The checkpoint records the batch size as given (none here), so that a resume builds the
     TEST phase at its own batch size again, not at the training one."""
