@@ -64,13 +64,37 @@ def test_fp16_codes_of_a_slice_are_dprs_for_every_kind_of_value(path):
     assert codes.tobytes() == dpr_fp16_codes(y).tobytes()
 
 
+@pytest.mark.parametrize("path", ["kernel", "ufuncs"])
+def test_scaled_fp16_codes_of_a_slice_are_the_products_dpr_codes(path):
+    """The last step a layer hands over (HalfStash.scale_encode_slice): x *= scale[c] as
+    numpy's multiply gives it, and DPR("fp16")'s codes of the products, on both paths."""
+    from minigist.codecs import kernels
+    from minigist.codecs.dpr import HalfStash
+    if path == "kernel" and not kernels.HALF:
+        pytest.skip("no numba, or a CPU without F16C")
+    rng = np.random.default_rng(38)
+    x = every_kind_of_float32(rng)[-4000:].reshape(4, 2, -1)     # the edges and NaNs come last
+    scale = np.array([0.75, 3.0], np.float32)
+    with np.errstate(all="ignore"):
+        expected = x * scale[:, None]
+    codes = np.zeros(x.shape, np.float16)
+    got = x.copy()
+    with kernels.use_codec_kernels(path == "kernel"), np.errstate(all="ignore"):
+        for n0 in (0, 2):
+            HalfStash().scale_encode_slice(np, got[n0:n0 + 2], scale, {"codes": codes}, n0, n0 + 2,
+                                           np.full((2, 2, x.shape[2]), np.nan, np.float32))
+    same_bytes(got, expected)
+    assert codes.view(np.uint16).tobytes() == dpr_fp16_codes(expected).tobytes()
+
+
 @pytest.mark.parametrize("special", [False, True], ids=["normal", "special"])
 @pytest.mark.parametrize("chunk_bytes", [None, 2 * 3 * 4 * 6 * 4])
 @pytest.mark.parametrize("inplace", [False, True], ids=["apart", "in place"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "ufuncs"])
-def test_batchnorm_forward_emits_final_slices_of_its_top(kernels, inplace, chunk_bytes, special):
-    """forward(..., emit=f): y the same bytes as without; f sees each slice of y in order,
-    covering the batch, already final; encoding them gives DPR("fp16")'s codes of that y."""
+def test_batchnorm_forward_hands_over_its_last_scaling(kernels, inplace, chunk_bytes, special):
+    """forward(..., emit=f): f gets each slice of y in order, covering the batch, with the
+    per-channel scale to apply; scaled and encoded by the codec, y is the same bytes as
+    without, and the codes are DPR("fp16")'s of that y."""
     from minigist.codecs.dpr import HalfStash
     if kernels and not jit.available():
         pytest.skip("numba is not installed")
@@ -88,19 +112,17 @@ def test_batchnorm_forward_emits_final_slices_of_its_top(kernels, inplace, chunk
         y = x_in if inplace else np.empty(SHAPE, np.float32)
         codes, seen = np.zeros(SHAPE, np.float16), []
 
-        def emit(n0, n1, scratch):
-            seen.append((n0, n1, y[n0:n1].copy()))
-            HalfStash().encode_slice(np, y[n0:n1], {"codes": codes}, n0, n1, scratch)
+        def emit(n0, n1, scale, scratch):
+            seen.append((n0, n1))
+            HalfStash().scale_encode_slice(np, y[n0:n1], scale, {"codes": codes}, n0, n1, scratch)
         with jit.use_kernels(kernels), np.errstate(all="ignore"):
             layer.forward(np, [x_in], [y], [np.zeros(d.shape, np.float32) for d in layer.params], saved, ws,
                           **({"emit": emit} if emitting else {}))
         results.append((y, codes, seen))
     (reference, _, _), (y, codes, seen) = results
     same_bytes(y, reference)
-    assert [(n0, n1) for n0, n1, _ in seen] == [(n0, min(n0 + seen[0][1], SHAPE[0]))
-                                                for n0 in range(0, SHAPE[0], seen[0][1])]
-    for n0, n1, emitted in seen:
-        same_bytes(emitted, y[n0:n1])      # final when emitted
+    step = seen[0][1]
+    assert seen == [(n0, min(n0 + step, SHAPE[0])) for n0 in range(0, SHAPE[0], step)]
     assert codes.view(np.uint16).tobytes() == dpr_fp16_codes(y).tobytes()
 
 
@@ -118,7 +140,7 @@ def test_batchnorm_with_global_stats_refuses_to_emit():
     x = np.ones(SHAPE, np.float32)
     params = [np.ones(d.shape, np.float32) for d in layer.params]
     with pytest.raises(ValueError, match="use_global_stats"):
-        layer.forward(np, [x], [x.copy()], params, {}, {}, emit=lambda n0, n1, scratch: None)
+        layer.forward(np, [x], [x.copy()], params, {}, {}, emit=lambda n0, n1, scale, scratch: None)
 
 
 NO_NUMBA_RUN = """

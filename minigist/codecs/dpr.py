@@ -267,6 +267,18 @@ class HalfStash(DPR):
     def decode(self, xp, enc, out, ws):
         super().decode(xp, self._flat(xp, enc), out, ws)
 
+    def scale_encode_slice(self, xp, x, scale, enc, n0, n1, scratch):
+        """x (samples n0:n1 of the stash, channels on axis 1) *= scale[c], and those samples'
+        codes, in one pass where the kernels run (the last step a layer hands over:
+        Layer.emits_top_slices), else the product and then encode_slice."""
+        x3 = x.reshape(x.shape[0], x.shape[1], -1)
+        codes = enc["codes"][n0:n1].reshape(x3.shape).view(xp.uint16)
+        if kernels.active(xp, x3, scale, codes):
+            kernels.scale_channels_encode(x3, scale, codes, kernels.dpr_params(self))
+            return
+        xp.multiply(x3, scale[:, None], out=x3)
+        self.encode_slice(xp, x, enc, n0, n1, scratch)
+
     def encode_slice(self, xp, x, enc, n0, n1, scratch):
         """Encode x, samples n0:n1 of the stash, into those samples' codes, with `scratch`
         (float32, x's size) as the workspace: how a layer that emits its top slice by slice

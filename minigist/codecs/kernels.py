@@ -196,6 +196,20 @@ if numba is not None:
         return bits | ((_U32(c) >> _U32(p[12])) << _U32(31))
 
     @_jit
+    def scale_channels_encode(y, scale, codes, p):
+        """y (n, c, s) *= scale[c], the products numpy's multiply gives, and codes (uint16, y's
+        shape) <- their fp16 DPR codes, in one pass: a layer's last step handed to the codec
+        (Layer.emits_top_slices), so that the stash costs no second pass over the tensor."""
+        n, c, s = y.shape
+        for a in range(n):
+            for ch in range(c):
+                r = scale[ch]
+                for i in range(s):
+                    v = y[a, ch, i] * r
+                    y[a, ch, i] = v
+                    codes[a, ch, i] = np.uint16(_encode_one(np.float32(v).view(np.uint32), p))
+
+    @_jit
     def dpr_encode(u, codes, p, per):
         """float32 bits u -> codes (per = 1: one code per unit; 3: fp10, three per word)."""
         if per == 1:

@@ -160,10 +160,11 @@ class Layer:
         return False
 
     def emits_top_slices(self):
-        """Whether forward(..., emit=f) calls f(n0, n1, scratch) once for each batch slice
-        n0:n1 of its first top as soon as that slice is final (in order, covering the batch),
-        with `scratch` a float32 array of the slice's size that is free until f returns: a pass
-        can then encode the top while it is in cache (BatchNorm's x_hat)."""
+        """Whether its forward ends with a per-channel scale of its first top (y *= scale[c],
+        c on axis 1) and forward(..., emit=f) hands that last step over: for each batch slice
+        n0:n1 (in order, covering the batch) it calls f(n0, n1, scale, scratch) instead, which
+        must do the scaling, `scratch` a float32 array of the slice's size free until f
+        returns: a pass can then encode the top in the same pass (BatchNorm's x_hat)."""
         return False
 
     def inplace_safe(self, bottom_index, top_index):

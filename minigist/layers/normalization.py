@@ -155,8 +155,9 @@ class BatchNorm(Layer):
         self.forward(xp, x, y, p, saved, ws, update_running=False)
 
     def forward(self, xp, x, y, p, saved, ws, emit=None, update_running=True):
-        """`emit` (emits_top_slices): called as emit(n0, n1, scratch) with each final slice
-        of y in the last pass, `scratch` the forward's `square` workspace, free by then.
+        """`emit` (emits_top_slices): called as emit(n0, n1, inv_std, scratch) for each slice
+        of y in the last pass, in place of y *= inv_std[c], `scratch` the forward's `square`
+        workspace, free by then.
         update_running=False leaves the running sums as they are (a recomputation's replay:
         they were updated once, by the forward pass)."""
         x3 = x[0].reshape(self.shape3)
@@ -198,12 +199,12 @@ class BatchNorm(Layer):
         scale_compiled = jit.active(xp, y3, inv_std)
         for n0 in starts:
             yc = y3[n0:n0 + chunk]
-            if scale_compiled:
+            if emit is not None:
+                emit(n0, n0 + yc.shape[0], inv_std, square[:yc.shape[0]])
+            elif scale_compiled:
                 fused_kernels.scale_channels(yc, inv_std)
             else:
                 xp.multiply(yc, inv_std[:, None], out=yc)
-            if emit is not None:
-                emit(n0, n0 + yc.shape[0], square[:yc.shape[0]])
 
     def _update_running(self, p, mean, var, m):
         """The running sums, exactly as Caffe: s = s*maf + 1, mean = mean*maf + mean_b,

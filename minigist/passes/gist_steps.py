@@ -130,8 +130,8 @@ class WriteCodes:
         enc = arrays_for(arrays, step.args["enc"])
         top = y[0]
 
-        def emit(n0, n1, scratch):
-            codec.encode_slice(xp, top[n0:n1], enc, n0, n1, scratch)
+        def emit(n0, n1, scale, scratch):
+            codec.scale_encode_slice(xp, top[n0:n1], scale, enc, n0, n1, scratch)
         return lambda: layer.forward(xp, x, y, p, saved, ws, emit=emit)
 
 
