@@ -64,7 +64,7 @@ class Net:
         self.dtype = self.options.dtype
         self.seed = seed
         self.model = str(model)
-        built = {phase: build(model, self.options, phase, self.xp) for phase in ("TRAIN", "TEST")}
+        built = {phase: build(model, self.options, phase) for phase in ("TRAIN", "TEST")}
         self.graphs = {phase: graph for phase, (graph, _) in built.items()}
         self.train_graph = self.graphs["TRAIN"]
         self.conv = built["TRAIN"][1]
@@ -84,6 +84,10 @@ class Net:
         self._init_params(seed)
         self.rng = self._make_rng(seed + 1)
         self._set_layer_rng(self.rng)
+
+    # the compiled programs and their plans, by key of PHASES
+    programs = property(lambda self: {key: compiled.program for key, compiled in self.compiled.items()})
+    plans = property(lambda self: {key: compiled.plan for key, compiled in self.compiled.items()})
 
     # the settings, as the options hold them
     gist = property(lambda self: self.options.gist_config())
@@ -110,9 +114,8 @@ class Net:
         # for the thread count its primitives are made under
         with self._threads():
             self.compiled = {key: compile(self.model, self.options, phase, graph=self.graphs[phase],
-                                          calibrating=calibrating and key == "train", xp=self.xp)
+                                          calibrating=calibrating and key == "train")
                              for key, phase in PHASES.items()}
-            self.programs = {key: compiled.program for key, compiled in self.compiled.items()}
             self._allocate(self.alloc, None if calibrating else self.memory_budget)
         if old_arena is not None:
             assert old_persistent == self.persistent_bytes
@@ -168,7 +171,6 @@ class Net:
                         raise MinigistError(f"{self.model}: parameter {name} has shape {buffer.shape} "
                                             f"in TEST but {known.shape} in TRAIN")
         persistent_offsets, self.persistent_bytes = plan_none({n: b.nbytes for n, b in persistent.items()})
-        self.plans = {key: compiled.plan for key, compiled in self.compiled.items()}
         if memory_budget is not None and alloc != "dynamic":   # the pool checks as it runs
             self.plans["train"].check_budget(memory_budget, self.persistent_bytes - self.plans["train"].persistent_bytes)
         if alloc == "dynamic":
@@ -238,7 +240,7 @@ class Net:
 
     # ---- running ------------------------------------------------------------------------
     def _feeder(self, key, inputs):
-        graph = self.programs[key].graph
+        graph = self.compiled[key].program.graph
         tops = [top for node in graph.nodes if node.layer.is_data for top in node.tops]
         if len(inputs) > len(tops):
             raise MinigistError(f"{len(inputs)} inputs given, the net takes {len(tops)} ({', '.join(tops)})")
@@ -254,7 +256,7 @@ class Net:
         return feed
 
     def _weighted_loss(self, key):
-        weights = self.programs[key].loss_weights
+        weights = self.compiled[key].program.loss_weights
 
         def collect(arrays):
             return float(sum(weight * float(arrays[name]) for name, weight in weights.items()))
@@ -271,7 +273,7 @@ class Net:
         """Forward and backward on one batch, no update; returns {input blob: the gradient of
         the weighted loss with respect to it} as numpy arrays. Needs `force_backward: true`
         in the model file (Caffe computes input gradients only then)."""
-        program = self.programs["train"]
+        program = self.compiled["train"].program
         names = {program.buffers[name].tensor: name for name in program.outputs.values()
                  if program.buffers[name].kind == "grad"}
         if not names:
@@ -294,7 +296,7 @@ class Net:
     def evaluate(self, *inputs):
         """TEST-phase forward; returns {output blob: value} for the blobs no layer consumes
         (scalars as floats, other blobs as numpy arrays)."""
-        outputs = self.programs["eval"].outputs
+        outputs = self.compiled["eval"].program.outputs
 
         def collect(arrays):
             result = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from . import onednn
+from .backend import get_xp
 from .codecs import GistConfig
 from .errors import MinigistError
 from .graph import build_graph
@@ -96,10 +97,10 @@ class Compiled:
     conv: str                 # the convolution engine the plan was made for
 
 
-def build(model, options, phase="TRAIN", xp=np):
+def build(model, options, phase="TRAIN"):
     """The graph of `phase`, its Convolution layers made for the engine `options.conv` settles
-    on; returns (graph, engine)."""
-    conv = check_conv_engine(options.conv, xp, options.dtype)
+    on (for `options.device`); returns (graph, engine)."""
+    conv = check_conv_engine(options.conv, get_xp(options.device), options.dtype)
     graph = build_graph(model, phase, options.batch_size, options.input_size, options.dtype,
                         add_loss=options.add_loss, input_channels=options.input_channels, conv=conv)
     return graph, conv
@@ -118,13 +119,13 @@ def run_passes(graph, options, phase="TRAIN", calibrating=False):
     return mark_inplace(program)
 
 
-def compile(model, options=Options(), phase="TRAIN", graph=None, calibrating=False, xp=np):
+def compile(model, options=Options(), phase="TRAIN", graph=None, calibrating=False):
     """Compiled(graph, program, plan) of `model` in `phase` under `options`; `graph`, when
-    given, is that phase's graph already built (its layers keep their state)."""
+    given, is that phase's graph already built by `build` (its layers keep their state)."""
     if graph is None:
-        graph, conv = build(model, options, phase, xp)
+        graph, conv = build(model, options, phase)
     else:
-        conv = resolve_conv(options.conv, xp, options.dtype)
+        conv = resolve_conv(options.conv, get_xp(options.device), options.dtype)
     program = run_passes(graph, options, phase, calibrating)
     return Compiled(graph, program, MemoryPlan(program, options.alloc), conv)
 
