@@ -86,13 +86,17 @@ class BatchNorm(Layer):
         self.add_param("mean", (channels,), zero, learnable=False)
         self.add_param("variance", (channels,), zero, learnable=False)
         self.add_param("scale_factor", (1,), zero, learnable=False)
+        self._declare_stash(channels)
+        return [tuple(shape)]
+
+    def _declare_stash(self, channels):
+        """With batch statistics the backward keeps y (x_hat) and the saved inv_std."""
         if self.use_global:
             self.keeps_tops = ()
             self.saved = {}
         else:
             self.keeps_tops = (0,)
             self.saved = {"inv_std": TensorDecl((channels,))}
-        return [tuple(shape)]
 
     chunk_bytes = 4 << 20       # target size of one chunk-sized workspace
     stream_role = "y"           # the backward reads its top (x_hat), one chunk at a time
@@ -262,6 +266,55 @@ class BatchNorm(Layer):
             xp.subtract(gyc, pc, out=gxc)
             xp.subtract(gxc, mean_gy[:, None], out=gxc)
             xp.multiply(gxc, inv_std[:, None], out=gxc)
+
+
+@register
+class BatchNormalization(BatchNorm):
+    """ONNX's BatchNormalization without its affine part, which the ONNX front end gives a
+    Scale layer after it (the file's scale and B): y = (x - mean) / sqrt(var + epsilon) per
+    channel (axis 1). State (never learned): mean and variance, the running averages
+    themselves (no scale factor).
+
+    The TRAIN phase has training_mode=1's semantics: batch statistics (the biased variance),
+    and the running statistics updated as running * momentum + batch * (1 - momentum): ONNX's
+    momentum is the weight of the old value, 1 - PyTorch's, and ONNX averages the biased batch
+    variance where PyTorch averages the unbiased one. The TEST phase has training_mode=0's:
+    the running statistics. The forward and backward passes are BatchNorm's."""
+    type = "BatchNormalization"
+    param_field = "batch_normalization_param"
+
+    def setup(self, bottom_shapes):
+        p = self.p
+        shape = bottom_shapes[0]
+        if len(shape) < 2:
+            self.fail(f"needs an input with a channel axis (N, C, ...), got shape {tuple(shape)}")
+        self.use_global = self.spec.phase == "TEST"
+        self.momentum = float(p.get("momentum", 0.9))
+        self.eps = float(p.get("epsilon", 1e-5))
+        if not 0.0 <= self.momentum <= 1.0:
+            self.fail(f"momentum must be in [0, 1], got {self.momentum}")
+        if not self.eps >= 0.0:
+            self.fail(f"epsilon must be >= 0, got {self.eps}")
+        self.shape3 = _shape3(shape)
+        channels = self.shape3[1]
+        one = filler_of(None)
+        one["value"] = 1.0
+        self.add_param("mean", (channels,), filler_of(None), learnable=False)
+        self.add_param("variance", (channels,), one, learnable=False)
+        self._declare_stash(channels)
+        return [tuple(shape)]
+
+    def _global_stats(self, xp, p):
+        inv_std = p[1] + self.eps
+        xp.sqrt(inv_std, out=inv_std)
+        xp.reciprocal(inv_std, out=inv_std)
+        return p[0].astype(self.dtype, copy=False), inv_std.astype(self.dtype, copy=False)
+
+    def _update_running(self, p, mean, var, m):
+        """ONNX's running averages: running * momentum + batch * (1 - momentum)."""
+        for running, batch in ((p[0], mean), (p[1], var)):
+            running *= self.momentum
+            running += batch * (1.0 - self.momentum)
 
 
 @register

@@ -364,3 +364,85 @@ class Pooling(Layer):
         if (src_rows.start, src_rows.stop, src_cols.start, src_cols.stop) != (0, h, 0, w):
             gx.fill(0)
         xp.copyto(gx[:, :, src_rows, src_cols], target[:, :, rows, cols])
+
+
+class OnnxPooling(Pooling):
+    """ONNX's MaxPool and AveragePool (2-D): `pads` may differ before and after an axis
+    (windows start at -pad_begin; the end pads only add outputs), outputs are
+    floor((size + pads - kernel) / stride) + 1, or with ceil_mode the ceiling, less the last
+    window when it would start past the input and its begin pad (ONNX's and PyTorch's rule;
+    Caffe's CEIL differs: it applies that only with a pad and has no floor mode). AveragePool
+    divides by the input elements in the window (count_include_pad 0, the default) or by the
+    window clipped to the padded input (1: the pads count, the ceil_mode overhang beyond them
+    does not). Every pad is smaller than the kernel, so no window lies wholly in padding.
+    Forward, backward, the argmax map and Gist's facts are Pooling's."""
+    param_field = "onnx_pool_param"
+    method_name = None
+
+    def setup(self, bottom_shapes):
+        p = self.p
+        shape = tuple(int(d) for d in bottom_shapes[0])
+        self.method = self.method_name
+        if len(shape) != 4:
+            self.fail(f"a {len(shape)}-D input {shape} is not supported: only 2-D pooling of 4-D (N, C, H, W) inputs")
+        n, c, h, w = shape
+        kernel = [int(k) for k in p.all("kernel_shape")]
+        strides = [int(s) for s in p.all("strides")] or [1, 1]
+        pads = [int(v) for v in p.all("pads")] or [0, 0, 0, 0]
+        if len(kernel) != 2 or len(strides) != 2 or len(pads) != 4:
+            self.fail(f"kernel_shape {kernel}, strides {strides}, pads {pads}: 2, 2 and 4 values are needed")
+        if min(kernel) <= 0 or min(strides) <= 0 or min(pads) < 0:
+            self.fail(f"kernel_shape {kernel} and strides {strides} must be positive, pads {pads} not negative")
+        if any(pad >= k for pad, k in zip(pads, kernel + kernel)):
+            self.fail(f"pads {pads} must be smaller than the kernel {kernel}")
+        self.ceil_mode = bool(p.get("ceil_mode", False))
+        self.count_include_pad = bool(p.get("count_include_pad", False))
+        self.pads_end = (pads[2], pads[3])
+        out = []
+        for size, k, s, begin, end in zip((h, w), kernel, strides, pads[:2], pads[2:]):
+            span = size + begin + end - k
+            if span < 0:
+                self.fail(f"kernel {k} is larger than the padded input size {size + begin + end}")
+            o = (-(-span // s) if self.ceil_mode else span // s) + 1
+            if self.ceil_mode and (o - 1) * s >= size + begin:
+                o -= 1
+            out.append(o)
+        self.kernel, self.stride, self.pad = tuple(kernel), tuple(strides), (pads[0], pads[1])
+        self.in_shape, self.out_hw = shape, tuple(out)
+        (kh, kw), (sh, sw), (ph, pw), (oh, ow) = self.kernel, self.stride, self.pad, self.out_hw
+        self.buf_hw = ((oh - 1) * sh + kh, (ow - 1) * sw + kw)
+        self.needs_buffer = (ph, pw) != (0, 0) or self.buf_hw[0] > h or self.buf_hw[1] > w
+        self.empty_windows = False
+        self.tiles = not self.needs_buffer and (sh, sw) == (kh, kw) and self.buf_hw == (h, w)
+        self.disjoint = sh >= kh and sw >= kw
+        top = (n, c, oh, ow)
+        if self.method == "MAX":
+            windows = kh * kw
+            dtype = np.uint8 if windows <= 256 else np.uint16 if windows <= 65536 else np.uint32
+            self.saved = {"argmax": TensorDecl(top, dtype)}
+        return [top]
+
+    def _pool_sizes(self):
+        """The divisor per output (rows, cols): the window clipped to the input, or with
+        count_include_pad to the padded input."""
+        sizes = []
+        for size, k, s, begin, end, o in zip(self.in_shape[2:], self.kernel, self.stride, self.pad,
+                                             self.pads_end, self.out_hw):
+            starts = np.arange(o) * s - begin
+            if self.count_include_pad:
+                sizes.append(np.minimum(starts + k, size + end) - starts)
+            else:
+                sizes.append(np.minimum(starts + k, size) - np.maximum(starts, 0))
+        return sizes
+
+
+@register
+class MaxPool(OnnxPooling):
+    type = "MaxPool"
+    method_name = "MAX"
+
+
+@register
+class AveragePool(OnnxPooling):
+    type = "AveragePool"
+    method_name = "AVE"
