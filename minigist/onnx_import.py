@@ -101,7 +101,9 @@ class Const:
 
     def __array__(self, dtype=None, copy=None):
         array = self.value()
-        return array if dtype is None else array.astype(dtype, copy=False)
+        if dtype is not None and array.dtype != np.dtype(dtype):
+            return array.astype(dtype)
+        return array.copy() if copy else array
 
 
 def _attributes(node):
@@ -202,6 +204,7 @@ class OnnxFront:
         self.taken = {name for node in self.graph.node for name in list(node.input) + list(node.output)}
         self.taken.update(i.name for i in self.graph.input)
         self.layer_names = set(node_names(self.model))
+        self.outputs = {output.name for output in self.graph.output}
         self.uses = {}        # tensor name -> how many node inputs and graph outputs read it
         for node in self.graph.node:
             for name in node.input:
@@ -394,10 +397,18 @@ class OnnxFront:
             raise self.error(f"a {len(shape)}-D input {shape} is not supported: only 2-D operations on "
                              f"4-D (N, C, H, W) tensors", node, label)
 
-    def _reshape(self, node, label, x, target, top):
-        """`top` as x reshaped to `target` (resolved): an alias when the shape is x's own."""
-        if tuple(target) == self.shape(x):
+    def _same(self, node, label, x, top):
+        """`top` as x itself: an alias, or a copy (Caffe's Split) where `top` is a graph output,
+        so that the outputs keep the file's names."""
+        if top in self.outputs:
+            yield self.spec(label, "Split", [x], [top], node=node)
+        else:
             self.alias[top] = x
+
+    def _reshape(self, node, label, x, target, top):
+        """`top` as x reshaped to `target` (resolved); x itself when the shape is x's own."""
+        if tuple(target) == self.shape(x):
+            yield from self._same(node, label, x, top)
             return
         yield self.spec(label, "Reshape", [x], [top], {"reshape_param": {"shape": {"dim": list(target)}}}, node=node)
 
@@ -729,5 +740,4 @@ class OnnxFront:
                         {"reshape_param": {"shape": {"dim": list(shape)}}}, node=node)
 
     def _op_Identity(self, node, label, attrs):
-        self.alias[node.output[0]] = self.blob(node.input[0], node, label)
-        return iter(())
+        yield from self._same(node, label, self.blob(node.input[0], node, label), node.output[0])

@@ -78,7 +78,8 @@ def test_hard_swish():
     x = away_from(rng, (2, 3, 4, 5), [-3.0, 3.0], scale=6.0)
     layer = make_layer_from("HardSwish", [x.shape])
     y, = LayerRun(layer).forward([x])
-    np.testing.assert_allclose(y, x * np.maximum(0, np.minimum(1, x / 6 + 0.5)), rtol=1e-14)
+    alpha = float(np.float32(1 / 6))     # ONNX's attribute, a float32
+    np.testing.assert_allclose(y, x * np.maximum(0, np.minimum(1, alpha * x + 0.5)), rtol=1e-14)
     check_gradients(layer, [x])
     assert layer.keeps_bottoms == (0,) and layer.keeps_tops == ()
     assert not layer.sparse_output and not layer.mask_backward and not layer.keeps_zeros

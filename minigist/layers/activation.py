@@ -273,15 +273,16 @@ class HardSigmoid(Layer):
 
 @register
 class HardSwish(Layer):
-    """ONNX's HardSwish: y = x * max(0, min(1, x / 6 + 1/2)). Backward reads x (y does not
-    determine x: the curve dips and rises again between -3 and 0): gx = gy * (x / 3 + 1/2)
-    where -3 < x < 3, gy where x >= 3, 0 where x <= -3.
+    """ONNX's HardSwish: y = x * max(0, min(1, alpha * x + 1/2)), alpha = 1/6 rounded to float32
+    as ONNX's definition (a HardSigmoid with a float attribute) has it. Backward reads x (y does
+    not determine x: the curve dips and rises again between -3 and 0): gx = gy * (2 alpha x +
+    1/2) where -3 < x < 3, gy where x >= 3, 0 where x <= -3.
 
     Not a ReLU for Gist: its output is negative between -3 and 0, and its backward needs x."""
     type = "HardSwish"
     param_field = "hard_swish_param"
     elementwise = True
-    alpha, beta = 1.0 / 6.0, 0.5
+    alpha, beta = float(np.float32(1.0 / 6.0)), 0.5
 
     def setup(self, bottom_shapes):
         self.keeps_bottoms = (0,)
