@@ -5,6 +5,10 @@
     loss = net.train_step(images, labels)      # forward, backward, SGD update (TRAIN phase)
     outputs = net.evaluate(images, labels)    # forward only (TEST phase): {"accuracy": ..}
 
+The model is a Caffe .prototxt or an ONNX .onnx file (minigist/onnx_import.py). An ONNX file's
+initializers are its starting weights; `initializers=False` starts from the layers' fillers
+instead.
+
 One arena holds everything: the persistent part (weights, their gradients, momentum) first,
 then the per-iteration part, which the training and the evaluation program share because they
 never run at the same time.

@@ -151,19 +151,45 @@ class Dropout(Layer):
         gx[0] *= self.scale
 
 
+class _Bounded(Layer):
+    """An element-wise layer whose output is clipped to [low, high] and whose backward passes
+    `slope` * gy where low < y < high, 0 elsewhere: it reads y alone (y is strictly inside
+    exactly where its unclipped value is; on a bound itself the gradient is 0)."""
+    elementwise = True
+    slope = 1.0
+
+    def inplace_safe(self, bottom_index, top_index):
+        return True
+
+    def workspace(self, phase, gx_needed=None):
+        if phase == "backward":
+            return {"inside": TensorDecl(self.top_shapes[0], np.bool_), "below": TensorDecl(self.top_shapes[0], np.bool_)}
+        return {}
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        if gx[0] is None:
+            return
+        inside, below = ws["inside"], ws["below"]
+        xp.greater(y[0], self.low, out=inside)
+        xp.less(y[0], self.high, out=below)
+        xp.logical_and(inside, below, out=inside)
+        xp.multiply(gy[0], inside, out=gx[0])
+        if self.slope != 1.0:
+            xp.multiply(gx[0], self.slope, out=gx[0])
+
+
 @register
-class Clip(Layer):
+class Clip(_Bounded):
     """y = min(max(x, min), max): Caffe's Clip (clip_param) and ONNX's (ReLU6 is min 0, max
     6); a bound left out is infinite. The backward passes gy where min < y < max and 0
-    elsewhere, so it reads y alone: y is strictly inside the bounds exactly where x is. (At
-    x exactly on a bound it gives 0, where PyTorch's clamp passes gy: a set of measure zero.)
+    elsewhere, so it reads y alone. (At x exactly on a bound it gives 0, where PyTorch's clamp
+    passes gy: a set of measure zero.)
 
     Not a ReLU for Gist: its backward needs both bounds of y, not y > 0 (no mask_backward), and
     it is no source of sparsity (no sparse_output), though it keeps the zeros of an input that
     has them when 0 lies within its bounds."""
     type = "Clip"
     param_field = "clip_param"
-    elementwise = True
 
     def setup(self, bottom_shapes):
         self.low = float(self.p.get("min", -np.inf))
@@ -177,26 +203,9 @@ class Clip(Layer):
     def keeps_zeros(self):
         return self.low <= 0.0 <= self.high
 
-    def inplace_safe(self, bottom_index, top_index):
-        return True
-
-    def workspace(self, phase, gx_needed=None):
-        if phase == "backward":
-            return {"inside": TensorDecl(self.top_shapes[0], np.bool_), "below": TensorDecl(self.top_shapes[0], np.bool_)}
-        return {}
-
     def forward(self, xp, x, y, p, saved, ws):
         xp.maximum(x[0], self.low, out=y[0])
         xp.minimum(y[0], self.high, out=y[0])
-
-    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
-        if gx[0] is None:
-            return
-        inside, below = ws["inside"], ws["below"]
-        xp.greater(y[0], self.low, out=inside)
-        xp.less(y[0], self.high, out=below)
-        xp.logical_and(inside, below, out=inside)
-        xp.multiply(gy[0], inside, out=gx[0])
 
 
 @register
@@ -233,42 +242,24 @@ class Sigmoid(Layer):
 
 
 @register
-class HardSigmoid(Layer):
+class HardSigmoid(_Bounded):
     """ONNX's HardSigmoid: y = max(0, min(1, alpha * x + beta)) (alpha 0.2, beta 0.5 unless
     given). Backward reads y: gx = alpha * gy where 0 < y < 1, else 0 (at the kinks 0)."""
     type = "HardSigmoid"
     param_field = "hard_sigmoid_param"
-    elementwise = True
+    low, high = 0.0, 1.0
 
     def setup(self, bottom_shapes):
-        self.alpha = float(self.p.get("alpha", 0.2))
+        self.alpha = self.slope = float(self.p.get("alpha", 0.2))
         self.beta = float(self.p.get("beta", 0.5))
         self.keeps_tops = (0,)
         return [bottom_shapes[0]]
 
-    def inplace_safe(self, bottom_index, top_index):
-        return True
-
-    def workspace(self, phase, gx_needed=None):
-        if phase == "backward":
-            return {"inside": TensorDecl(self.top_shapes[0], np.bool_), "below": TensorDecl(self.top_shapes[0], np.bool_)}
-        return {}
-
     def forward(self, xp, x, y, p, saved, ws):
         xp.multiply(x[0], self.alpha, out=y[0])
         xp.add(y[0], self.beta, out=y[0])
-        xp.maximum(y[0], 0.0, out=y[0])
-        xp.minimum(y[0], 1.0, out=y[0])
-
-    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
-        if gx[0] is None:
-            return
-        inside, below = ws["inside"], ws["below"]
-        xp.greater(y[0], 0.0, out=inside)
-        xp.less(y[0], 1.0, out=below)
-        xp.logical_and(inside, below, out=inside)
-        xp.multiply(gy[0], inside, out=gx[0])
-        xp.multiply(gx[0], self.alpha, out=gx[0])
+        xp.maximum(y[0], self.low, out=y[0])
+        xp.minimum(y[0], self.high, out=y[0])
 
 
 @register

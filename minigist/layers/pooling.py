@@ -107,6 +107,14 @@ class Pooling(Layer):
                 self.fail(f"kernel {k} is larger than the padded input size {size + 2 * pd}")
             out.append(o)
         oh, ow = out
+        return [self._windows(shape, (kh, kw), (sh, sw), (ph, pw), (oh, ow))]
+
+    def _windows(self, shape, kernel, stride, pad, out_hw):
+        """Set the geometry every pass reads from the input shape, kernel, stride, the pad
+        before each axis (windows start at -pad) and the output size; declare the argmax map
+        (MAX). Returns the top shape."""
+        n, c, h, w = shape
+        (kh, kw), (sh, sw), (ph, pw), (oh, ow) = kernel, stride, pad, out_hw
         self.kernel, self.stride, self.pad = (kh, kw), (sh, sw), (ph, pw)
         self.in_shape, self.out_hw = shape, (oh, ow)
         # the buffer every window fits in: rows -ph .. (oh-1)*sh - ph + kh of the input
@@ -123,7 +131,7 @@ class Pooling(Layer):
             windows = kh * kw
             dtype = np.uint8 if windows <= 256 else np.uint16 if windows <= 65536 else np.uint32
             self.saved = {"argmax": TensorDecl(top, dtype)}
-        return [top]
+        return top
 
     def _pair(self, name, default):
         """Caffe's `name` or both `name_h` and `name_w`."""
@@ -407,20 +415,7 @@ class OnnxPooling(Pooling):
             if self.ceil_mode and (o - 1) * s >= size + begin:
                 o -= 1
             out.append(o)
-        self.kernel, self.stride, self.pad = tuple(kernel), tuple(strides), (pads[0], pads[1])
-        self.in_shape, self.out_hw = shape, tuple(out)
-        (kh, kw), (sh, sw), (ph, pw), (oh, ow) = self.kernel, self.stride, self.pad, self.out_hw
-        self.buf_hw = ((oh - 1) * sh + kh, (ow - 1) * sw + kw)
-        self.needs_buffer = (ph, pw) != (0, 0) or self.buf_hw[0] > h or self.buf_hw[1] > w
-        self.empty_windows = False
-        self.tiles = not self.needs_buffer and (sh, sw) == (kh, kw) and self.buf_hw == (h, w)
-        self.disjoint = sh >= kh and sw >= kw
-        top = (n, c, oh, ow)
-        if self.method == "MAX":
-            windows = kh * kw
-            dtype = np.uint8 if windows <= 256 else np.uint16 if windows <= 65536 else np.uint32
-            self.saved = {"argmax": TensorDecl(top, dtype)}
-        return [top]
+        return [self._windows(shape, tuple(kernel), tuple(strides), (pads[0], pads[1]), tuple(out))]
 
     def _pool_sizes(self):
         """The divisor per output (rows, cols): the window clipped to the input, or with

@@ -130,19 +130,9 @@ class Eltwise(Layer):
                 xp.multiply(gy[0], ws["mask"], out=g)
 
 
-@register
-class Flatten(Layer):
-    type = "Flatten"
+class _NewShape(Layer):
+    """A layer whose top holds its bottom's bytes in another shape (a copy)."""
     keeps_zeros = True
-    param_field = "flatten_param"
-
-    def setup(self, bottom_shapes):
-        shape = bottom_shapes[0]
-        start = _axis(self, self.p.get("axis", 1), len(shape))
-        end = _axis(self, self.p.get("end_axis", -1), len(shape))
-        if end < start:
-            self.fail("end_axis is before axis")
-        return [tuple(shape[:start]) + (int(np.prod(shape[start:end + 1])),) + tuple(shape[end + 1:])]
 
     def inplace_safe(self, bottom_index, top_index):
         return True
@@ -153,6 +143,20 @@ class Flatten(Layer):
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is not None:
             xp.copyto(gx[0], gy[0].reshape(gx[0].shape))
+
+
+@register
+class Flatten(_NewShape):
+    type = "Flatten"
+    param_field = "flatten_param"
+
+    def setup(self, bottom_shapes):
+        shape = bottom_shapes[0]
+        start = _axis(self, self.p.get("axis", 1), len(shape))
+        end = _axis(self, self.p.get("end_axis", -1), len(shape))
+        if end < start:
+            self.fail("end_axis is before axis")
+        return [tuple(shape[:start]) + (int(np.prod(shape[start:end + 1])),) + tuple(shape[end + 1:])]
 
 
 @register
@@ -291,14 +295,13 @@ class Mul(_Broadcast):
 
 
 @register
-class Reshape(Layer):
+class Reshape(_NewShape):
     """Caffe's Reshape: the axes from `axis` (num_axes of them; -1: all the rest) take the
     shape's dims, where 0 copies the input's dim at that place and one -1 is inferred. The
     bytes do not change: the top is a copy in the new shape (the ONNX front end's Reshape,
     Flatten, Squeeze and Unsqueeze, with their shapes resolved at import)."""
     type = "Reshape"
     param_field = "reshape_param"
-    keeps_zeros = True
 
     def setup(self, bottom_shapes):
         shape = tuple(int(d) for d in bottom_shapes[0])
@@ -335,16 +338,6 @@ class Reshape(Layer):
         if int(np.prod(out, dtype=np.int64)) != total:
             self.fail(f"shape {tuple(out)} does not hold the {total} values of input shape {shape}")
         return [tuple(out)]
-
-    def inplace_safe(self, bottom_index, top_index):
-        return True
-
-    def forward(self, xp, x, y, p, saved, ws):
-        xp.copyto(y[0], x[0].reshape(y[0].shape))
-
-    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
-        if gx[0] is not None:
-            xp.copyto(gx[0], gy[0].reshape(gx[0].shape))
 
 
 @register
