@@ -16,7 +16,10 @@ training mode would export as random-number operators, is replaced by the identi
 parameters are unchanged; only the random dropping of residual branches is left out).
 
 --check builds each exported file with minigist (float64, the TEST phase: running statistics)
-and compares its output with torch's model in eval mode (float64) on one random batch.
+and compares its output with torch's model in eval mode (float64) on one random batch; then
+one training step: the same model exported with Dropout off (p = 0) at 64x64, minigist's loss
+and the gradient of every convolution and fully connected weight (--add-loss: a
+SoftmaxWithLoss on random labels) against torch's cross entropy in training mode, float64.
 """
 import argparse
 import os
@@ -64,6 +67,40 @@ def check(model, path, size, batch=2, seed=0):
     return float(np.max(np.abs(got - expected)) / np.max(np.abs(expected)))
 
 
+def check_training(model, folder, name, size=64, batch=4, seed=0):
+    """(loss difference, the largest relative difference of a conv / fc weight gradient)
+    between minigist and torch for one training step, Dropout off, both float64 (a copy of
+    `model`: its weights as initialized, whatever check() left it in)."""
+    import copy
+    import onnx
+    import torch
+    import minigist
+    from minigist.onnx_import import node_names
+    model = copy.deepcopy(model).float()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    path = os.path.join(folder, f"{name}_check.onnx")
+    export(model, path, size)
+    rng = np.random.default_rng(seed)
+    x, labels = rng.standard_normal((batch, 3, size, size)), rng.integers(0, 1000, batch)
+    model = model.double().train()
+    loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(labels))
+    loss.backward()
+    torch_grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    net = minigist.Net(path, batch_size=batch, input_size=size, dtype=np.float64, add_loss=True, update="separate")
+    ours = net.forward_backward(x, labels)
+    grads = net.grads()
+    graph = onnx.load(path).graph
+    worst = 0.0
+    for label, node in zip(node_names(onnx.load(path)), graph.node):
+        if node.op_type in ("Conv", "Gemm") and node.input[1] in torch_grads:
+            want = torch_grads[node.input[1]]
+            worst = max(worst, float(np.max(np.abs(grads[f"{label}.weight"] - want)) / np.max(np.abs(want))))
+    os.remove(path)
+    return abs(ours - loss.item()), worst
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="where the .onnx files go (created if missing)")
@@ -83,6 +120,9 @@ def main(argv=None):
         if args.check:
             line += f"; minigist's forward vs torch's: max difference {check(model, path, args.input_size):.2e} " \
                     f"of the largest output"
+            loss_difference, gradient_difference = check_training(model, args.folder, name)
+            line += f"; a training step: loss difference {loss_difference:.1e}, weight gradients within " \
+                    f"{gradient_difference:.1e}"
         print(line, flush=True)
 
 
