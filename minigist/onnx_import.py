@@ -154,8 +154,10 @@ def model_definition(path):
             return value
         return str(value)
 
+    def dims(info):
+        return [d.dim_value or d.dim_param for d in info.type.tensor_type.shape.dim]
+
     graph = model.graph
-    dims = lambda info: [d.dim_value or d.dim_param for d in info.type.tensor_type.shape.dim]   # noqa: E731
     header = {"opset": opset_of(model), "inputs": [[i.name, dims(i)] for i in graph.input],
               "outputs": [o.name for o in graph.output],
               "initializers": [[t.name, list(t.dims)] for t in graph.initializer]}
