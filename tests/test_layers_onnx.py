@@ -215,6 +215,23 @@ def test_batch_normalization_train_forward_running_averages_and_gradients():
     check_gradients(layer, [x], atol=1e-6)
 
 
+def test_batch_normalization_replay_leaves_the_running_averages():
+    """Recomputation replays the forward: the same x_hat, the running averages updated once."""
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((3, 2, 4, 4))
+    layer = make_layer_from("BatchNormalization", [x.shape], {"batch_normalization_param": {"momentum": 0.5}})
+    assert layer.forward_updates_state and layer.recomputable
+    run = LayerRun(layer)
+    y, = run.forward([x])
+    after = [p.copy() for p in run.params]
+    again = np.empty_like(y)
+    ws = {k: np.empty(d.shape, d.dtype or np.float64) for k, d in layer.replay_workspace().items()}
+    layer.replay_forward(np, [x], [again], run.params, run.saved, ws)
+    np.testing.assert_array_equal(again, y)
+    for before, now in zip(after, run.params):
+        np.testing.assert_array_equal(before, now)
+
+
 def test_batch_normalization_test_phase_uses_running_statistics():
     rng = np.random.default_rng(11)
     x = rng.standard_normal((2, 4, 3, 3))

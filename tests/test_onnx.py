@@ -327,10 +327,14 @@ def test_initializers_are_the_starting_weights_unless_ignored(tmp_path):
 
 def test_gist_treats_relu6_and_hardswish_as_no_relu(tmp_path):
     path, _ = small_cnn(tmp_path)
-    program = minigist.compile(path, minigist.Options(gist="lossless", add_loss=True)).program
+    # calibrating: every SSDC candidate planned, at full capacity
+    program = minigist.compile(path, minigist.Options(gist="lossless", add_loss=True), calibrating=True).program
     encodings = {e.tensor: e.name for e in program.encodings.values()}
-    assert encodings["blob:r1"] in ("mask-1bit", "dropped")     # the ReLU's: Binarize (fused into the pool's code)
-    assert "blob:r2" not in encodings and "blob:hs" not in encodings    # ReLU6 and HardSwish: no mask, no SSDC
+    assert encodings["blob:r1"] == "dropped"     # the ReLU's: Binarize, fused into the max-pool's code
+    assert encodings["blob:p1"].startswith("ssdc")   # the pooled ReLU output the next conv keeps: SSDC
+    # the ReLU6's output (kept by itself and the Mul) and the HardSwish's input (the Mul's
+    # output, kept by the HardSwish): no mask, no SSDC, kept as they are
+    assert "blob:r2" not in encodings and "blob:se" not in encodings
     lossy = minigist.compile(path, minigist.Options(gist="all", add_loss=True)).program
     encodings = {e.tensor: e.name for e in lossy.encodings.values()}
     assert encodings["blob:r2"] == "fp16" and encodings["blob:se"] == "fp16"      # DPR applies
