@@ -26,16 +26,17 @@ import os
 import numpy as np
 
 from . import blas
-from .backend import get_xp, to_numpy
+from .backend import get_xp, is_gpu, to_numpy
 from .checkpoint import read_npz, save_npz_atomic, with_digest
 from .errors import MinigistError
+from .layers.loss import check_labels
 from .densities import MARGIN
 from .codecs import kernels as codec_kernels
 from .executor import DynamicExecutor, Executor
 from .fillers import fill
 from . import onednn
 from .memory import plan_none
-from .memory.arena import new_arena, view
+from .memory.arena import Views, new_arena
 from .memory.available import check_fits
 from .memory.pool import Pool
 from .memory.report import footprint_report
@@ -188,7 +189,8 @@ class Net:
             check_fits(self.arena_bytes, f"{self.model}: the {alloc} arena (weights, their gradients, momentum "
                                          f"and the per-iteration buffers at batch {self.train_graph.batch_size})")
         self.arena = new_arena(self.xp, self.arena_bytes)
-        self.arrays = {name: view(self.arena, persistent_offsets[name], buffer.shape, buffer.dtype)
+        views = Views(self.arena)      # one object per buffer place and form (in-place steps)
+        self.arrays = {name: views(persistent_offsets[name], buffer.shape, buffer.dtype)
                        for name, buffer in persistent.items()}
         self.executors = {}
         if alloc == "dynamic":
@@ -204,7 +206,7 @@ class Net:
         for key, program in self.programs.items():
             plan = self.plans[key]
             arrays = {name: self.arrays[name] if buffer.persistent else
-                      view(self.arena, self.persistent_bytes + plan.offset(name), buffer.shape, buffer.dtype)
+                      views(self.persistent_bytes + plan.offset(name), buffer.shape, buffer.dtype)
                       for name, buffer in program.buffers.items()}
             self.executors[key] = Executor(program, arrays, self.xp, self.solver, self.stats)
 
@@ -249,11 +251,31 @@ class Net:
             if tuple(np.shape(value)) != want:
                 raise MinigistError(f"input '{top}' must have shape {want}, got {tuple(np.shape(value))}")
 
+        labels = self._label_tops(graph)
+        for top, value in zip(tops, inputs):
+            if top in labels:      # checked here, on the host: a check on the device is a sync
+                check_labels(value, labels[top])
+        device = is_gpu(self.xp)
+
         def feed(arrays):
             for top, value in zip(tops, inputs):
                 target = arrays[f"blob:{top}"]
-                target[...] = self.xp.asarray(value, dtype=target.dtype)
+                if device:   # one host-to-device copy into the arena (no device temporary)
+                    target.set(np.ascontiguousarray(to_numpy(value), dtype=target.dtype))
+                else:
+                    target[...] = self.xp.asarray(value, dtype=target.dtype)
         return feed
+
+    @staticmethod
+    def _label_tops(graph):
+        """{input top: (the loss or accuracy layer reading it as labels)} of `graph`."""
+        tops = {top for node in graph.nodes if node.layer.is_data for top in node.tops}
+        found = {}
+        for node in graph.nodes:
+            layer = node.layer
+            if hasattr(layer, "label_range") and len(node.bottoms) > 1 and node.bottoms[1] in tops:
+                found.setdefault(node.bottoms[1], layer)
+        return found
 
     def _weighted_loss(self, key):
         weights = self.compiled[key].program.loss_weights
