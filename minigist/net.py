@@ -34,6 +34,7 @@ from .densities import MARGIN
 from .codecs import kernels as codec_kernels
 from .executor import DynamicExecutor, Executor
 from .fillers import fill
+from .gpu.kernels import CounterRNG
 from . import onednn
 from .memory import plan_none
 from .memory.arena import Views, new_arena
@@ -121,6 +122,10 @@ class Net:
         if old_arena is not None:
             assert old_persistent == self.persistent_bytes
             self.arena[:old_persistent] = old_arena[:old_persistent]
+            del old_arena
+            if is_gpu(self.xp) and hasattr(self.xp, "get_default_memory_pool"):
+                # CuPy's pool would keep the old arena cached, held from the device for good
+                self.xp.get_default_memory_pool().free_all_blocks()
 
     def set_memory_budget(self, budget):
         """Hold the training plan to `budget` bytes from now on (None: no limit): re-plans and
@@ -218,7 +223,9 @@ class Net:
     def _make_rng(self, seed):
         if self.xp is np:
             return np.random.default_rng(seed)
-        return self.xp.random.default_rng(seed)
+        # Dropout's masks on the GPU: a counter-based stream drawn inside its kernel, whose
+        # state (two integers) a checkpoint keeps (minigist/gpu/kernels.py)
+        return CounterRNG(seed)
 
     def _param_layers(self):
         """Every layer with parameters, each name once, TRAIN graph first."""
@@ -313,7 +320,21 @@ class Net:
             raise MinigistError(f"{self.model}: no loss layer, nothing to train (a deploy file); build the Net "
                                 "with add_loss=True to append a SoftmaxWithLoss on its scores")
         with self._threads():
-            return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
+            loss = self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
+        self._check_ssdc_fit()
+        return loss
+
+    def _check_ssdc_fit(self):
+        """On the GPU, SSDC's encodes check their capacity on the device; once per step (one host
+        sync) the net asks whether a batch was denser than planned. That step's over-capacity
+        tensors were stored as zeros (counted in the report's ssdc_overflows); the plan is then
+        refitted to what was seen, plus the calibration margin, for the steps after it."""
+        stats = self.stats
+        if stats.counts is None or not stats.overflowed():
+            return
+        planned, seen = dict(self.gist.ssdc_density), stats.density
+        self.set_densities({tensor: min(1.0, max(density, seen.get(tensor, 0.0)) * (1.0 + MARGIN))
+                            for tensor, density in planned.items()})
 
     def evaluate(self, *inputs):
         """TEST-phase forward; returns {output blob: value} for the blobs no layer consumes
@@ -337,6 +358,7 @@ class Net:
         extra["gist"].update({"ssdc_density_planned": dict(config.ssdc_density),
                               "ssdc_density_seen": dict(self.stats.density),
                               "ssdc_fallbacks": self.stats.fallbacks,
+                              "ssdc_overflows": self.stats.overflows,
                               "ssdc_fallback_bytes": self.stats.fallback_bytes})
         report = footprint_report(self.plans["train"], model=self.model,
                                   parameters=self.train_graph.param_count(), extra=extra)

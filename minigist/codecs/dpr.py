@@ -45,6 +45,7 @@ minigist/gpu/kernels.py runs the same arithmetic as one kernel per tensor.
 """
 import numpy as np
 
+from ..gpu import kernels as gpu_kernels
 from ..layers.base import TensorDecl
 from . import kernels
 from .base import Codec
@@ -147,6 +148,9 @@ class DPR(Codec):
     def encode_flat(self, xp, src, codes, ws):
         """Encode the 1-D float32 array src into the first code_units(len(src)) units of codes;
         for fp10 the unused slots of the last word are 0."""
+        if gpu_kernels.serves(xp):
+            gpu_kernels.dpr_encode(xp, self, src, codes, (self.encode_flat, (src, codes, ws)))
+            return
         if kernels.active(xp, src, codes):
             kernels.dpr_encode_flat(src.view(xp.uint32), codes, kernels.dpr_params(self), self.per)
             return
@@ -168,6 +172,9 @@ class DPR(Codec):
 
     def decode_flat(self, xp, codes, out, ws):
         """Decode len(out) values from the start of codes into the 1-D float32 array out."""
+        if gpu_kernels.serves(xp):
+            gpu_kernels.dpr_decode(xp, self, codes, out, (self.decode_flat, (codes, out, ws)))
+            return
         if kernels.active(xp, codes, out):
             kernels.dpr_decode_flat(codes, out.view(xp.uint32), kernels.dpr_params(self), self.per)
             return

@@ -427,17 +427,17 @@ extern "C" __global__ void bn_center_square(const float *x, const float *mean, f
 extern "C" __global__ void scale_channels(float *y, const float *scale, i64 n, int C, i64 S) {
     MG_EACH(i, n) y[i] = MG_MUL(y[i], scale[(i / S) % C]);
 }
-extern "C" __global__ void bn_input_grad(const float *gy, const float *y, const u16 *y_half, const float *mean_gy_y,
+extern "C" __global__ void bn_input_grad(const float *gy, const void *y, int half, const float *mean_gy_y,
                                          const float *mean_gy, const float *inv_std, float *gx, i64 n, int C, i64 S) {
     MG_EACH(i, n) {
         int c = (int)((i / S) % C);
-        float yv = y_half ? mg_half(y_half[i]) : y[i];
+        float yv = half ? mg_half(((const u16 *)y)[i]) : ((const float *)y)[i];
         float v = MG_SUB(gy[i], MG_MUL(yv, mean_gy_y[c]));
         gx[i] = MG_MUL(MG_SUB(v, mean_gy[c]), inv_std[c]);
     }
 }
-extern "C" __global__ void product(const float *gy, const float *x, const u16 *x_half, float *out, i64 n) {
-    MG_EACH(i, n) out[i] = MG_MUL(gy[i], x_half ? mg_half(x_half[i]) : x[i]);
+extern "C" __global__ void product(const float *gy, const void *x, int half, float *out, i64 n) {
+    MG_EACH(i, n) out[i] = MG_MUL(gy[i], half ? mg_half(((const u16 *)x)[i]) : ((const float *)x)[i]);
 }
 extern "C" __global__ void scale_bias(const float *x, const float *scale, const float *bias, float *y, i64 n, int C,
                                       i64 S) {
@@ -446,11 +446,11 @@ extern "C" __global__ void scale_bias(const float *x, const float *scale, const 
         y[i] = MG_ADD(MG_MUL(x[i], scale[c]), bias[c]);
     }
 }
-extern "C" __global__ void scale_grads(const float *gy, const float *x, const u16 *x_half, const float *scale,
+extern "C" __global__ void scale_grads(const float *gy, const void *x, int half, const float *scale,
                                        float *product, float *gx, i64 n, int C, i64 S) {
     MG_EACH(i, n) {
         float g = gy[i];
-        product[i] = MG_MUL(g, x_half ? mg_half(x_half[i]) : x[i]);
+        product[i] = MG_MUL(g, half ? mg_half(((const u16 *)x)[i]) : ((const float *)x)[i]);
         gx[i] = MG_MUL(g, scale[(i / S) % C]);
     }
 }

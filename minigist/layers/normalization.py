@@ -10,6 +10,7 @@ same bytes).
 import numpy as np
 
 from .. import jit
+from ..gpu import kernels as gpu_kernels
 from . import fused_kernels
 from .base import Layer, TensorDecl, filler_of, paired, register
 
@@ -50,6 +51,33 @@ def _window_sum(xp, src, dst, half, axis=1):
         low, high = dst[head], dst[tail]
         xp.add(low, src[tail], out=low)
         xp.add(high, src[head], out=high)
+
+
+# the numpy code of the GPU kernels' steps (minigist/gpu/kernels.py runs it under the checker)
+def _center_square(xp, xc, mean, yc, sq):
+    xp.subtract(xc, mean[:, None], out=yc)
+    xp.multiply(yc, yc, out=sq)
+
+
+def _scale_channels(xp, yc, scale):
+    xp.multiply(yc, scale[:, None], out=yc)
+
+
+def _product(xp, gyc, yc, pc):
+    xp.multiply(gyc, yc, out=pc)
+
+
+def _input_grad(xp, gyc, yc, mean_gy_y, mean_gy, inv_std, gxc, product):
+    pc = product[:yc.shape[0]]
+    xp.multiply(yc, mean_gy_y[:, None], out=pc)
+    xp.subtract(gyc, pc, out=gxc)
+    xp.subtract(gxc, mean_gy[:, None], out=gxc)
+    xp.multiply(gxc, inv_std[:, None], out=gxc)
+
+
+def _scale_grads(xp, gyc, xc, scale, pc, gxc):
+    xp.multiply(gyc, xc, out=pc)
+    xp.multiply(gyc, scale, out=gxc)
 
 
 @register
@@ -182,7 +210,9 @@ class BatchNorm(Layer):
         for n0 in starts:
             xc, yc = paired(x3, y3, lambda a: a[n0:n0 + chunk])
             sq = square[:yc.shape[0]]
-            if jit.active(xp, xc, yc, sq, mean):
+            if gpu_kernels.serves(xp):
+                gpu_kernels.bn_center_square(xp, xc, mean, yc, sq, (_center_square, (xc, mean, yc, sq)))
+            elif jit.active(xp, xc, yc, sq, mean):
                 fused_kernels.center_square(xc, mean, yc, sq, fused_kernels.same_memory(xc, yc))
             else:
                 xp.subtract(xc, mean[:, None], out=yc)     # y may be x: read first
@@ -200,6 +230,8 @@ class BatchNorm(Layer):
             yc = y3[n0:n0 + chunk]
             if emit is not None:
                 emit(n0, n0 + yc.shape[0], inv_std, square[:yc.shape[0]])
+            elif gpu_kernels.serves(xp):
+                gpu_kernels.scale_channels(xp, yc, inv_std, (_scale_channels, (yc, inv_std)))
             elif scale_compiled:
                 fused_kernels.scale_channels(yc, inv_std)
             else:
@@ -240,7 +272,9 @@ class BatchNorm(Layer):
             yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
             gyc = gy3[n0:n0 + chunk]
             pc = product[:yc.shape[0]]
-            if half and jit.active(xp, gyc, yc, pc):
+            if gpu_kernels.serves(xp):
+                gpu_kernels.product(xp, gyc, yc, pc, (_product, (gyc, yc, pc)))
+            elif half and jit.active(xp, gyc, yc, pc):
                 fused_kernels.product(gyc.reshape(-1), yc.reshape(-1).view(np.uint16), pc.reshape(-1))
             else:
                 xp.multiply(gyc, yc, out=pc)
@@ -252,6 +286,10 @@ class BatchNorm(Layer):
         for n0 in starts:
             yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
             gyc, gxc = paired(gy3, gx3, lambda a: a[n0:n0 + chunk])
+            if gpu_kernels.serves(xp):
+                gpu_kernels.bn_input_grad(xp, gyc, yc, mean_gy_y, mean_gy, inv_std, gxc,
+                                          (_input_grad, (gyc, yc, mean_gy_y, mean_gy, inv_std, gxc, product)))
+                continue
             if jit.active(xp, gyc, yc, gxc, mean_gy_y, mean_gy, inv_std):
                 fused_kernels.batchnorm_input_grad(gyc, yc.view(np.uint16) if half else yc, mean_gy_y, mean_gy,
                                                    inv_std, gxc, fused_kernels.same_memory(gyc, gxc))
@@ -342,6 +380,9 @@ class Scale(Layer):
         if self.bias_term:
             x3, y3 = paired(x[0], y[0], lambda a: a.reshape(self.shape3))
             scale, bias = p[0].reshape(-1), p[1].reshape(-1)
+            if gpu_kernels.serves(xp):
+                gpu_kernels.scale_bias(xp, x3, scale, bias, y3, (self.forward, (x, y, p, saved, ws)))
+                return
             if jit.active(xp, x3, y3, scale, bias):
                 fused_kernels.scale_bias(x3, scale, bias, y3, fused_kernels.same_memory(x3, y3))
                 return
@@ -382,7 +423,10 @@ class Scale(Layer):
                 gyc, gxc = gy3[n0:n0 + chunk], None
             pc = product[:xc.shape[0]]
             fused = gxc is not None and jit.active(xp, gyc, xc, pc, gxc, p[0])
-            if fused:   # the product and gx in one pass: gx (which may be gy) after gy is read
+            if gxc is not None and gpu_kernels.serves(xp):
+                gpu_kernels.scale_grads(xp, gyc, xc, p[0].reshape(-1), pc, gxc, (_scale_grads, (gyc, xc, scale, pc, gxc)))
+                fused = True
+            elif fused:   # the product and gx in one pass: gx (which may be gy) after gy is read
                 bits = xc.view(np.uint16) if xc.dtype == np.float16 else xc   # Gist's fp16 stash
                 fused_kernels.scale_grads(gyc, bits, p[0].reshape(-1), pc, gxc, fused_kernels.same_memory(gyc, gxc))
             else:
