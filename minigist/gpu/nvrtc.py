@@ -77,3 +77,21 @@ def _error(lib, code):
 def _check(lib, code, what):
     if code != 0:
         raise CompileError(f"{what}: {_error(lib, code)}")
+
+
+def compile_ptx(lib, source, options, name="minigist_kernels.cu"):
+    """The PTX text of `source` (options with a virtual architecture, e.g. compute_90)."""
+    program = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0, None, None),
+           "nvrtcCreateProgram")
+    try:
+        raw = [o.encode() for o in options]
+        _check(lib, lib.nvrtcCompileProgram(program, len(raw), (ctypes.c_char_p * len(raw))(*raw)),
+               "nvrtcCompileProgram")
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetPTXSize(program, ctypes.byref(size)), "nvrtcGetPTXSize")
+        ptx = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetPTX(program, ptx), "nvrtcGetPTX")
+        return ptx.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
