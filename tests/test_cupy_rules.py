@@ -171,6 +171,7 @@ def test_bundled_models_keep_cupy_rules_with_the_numpy_losses(model, gist):
     np.testing.assert_allclose(report.losses, cpu_losses(path, gist, 2, 1), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_tool_prints_its_rows_and_last_line(tiny):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "cupy_rules.py"), "--models", tiny,
                              "--gist", "none,all", "--batch-size", "2", "--steps", "1"],

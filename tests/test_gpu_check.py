@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
 
@@ -25,6 +27,7 @@ def run(tmp_path, *extra):
     return result, out
 
 
+@pytest.mark.slow
 def test_a_dry_run_writes_every_section_and_skips_what_needs_a_gpu(tmp_path):
     result, out = run(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -50,6 +53,7 @@ def test_no_section_starts_past_the_deadline(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == "sections: 0 passed, 0 failed, 9 skipped"
 
 
+@pytest.mark.slow
 def test_without_a_gpu_the_real_run_says_so(tmp_path):
     import minigist
     if minigist.gpu_available():

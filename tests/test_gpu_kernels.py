@@ -38,6 +38,7 @@ def nvrtc_lib():
     return lib
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm_90(nvrtc_lib):
     size, log = nvrtc.compile_source(nvrtc_lib, cuda_source.SOURCE,
                                      cuda_source.OPTIONS + ("--gpu-architecture=sm_90",))
@@ -47,6 +48,7 @@ def test_every_kernel_compiles_for_sm_90(nvrtc_lib):
     assert entries == set(cuda_source.KERNELS)
 
 
+@pytest.mark.slow
 def test_a_broken_kernel_fails_with_the_compiler_log(nvrtc_lib):
     with pytest.raises(nvrtc.CompileError, match="undefined"):
         nvrtc.compile_source(nvrtc_lib, cuda_source.SOURCE + "\nextern \"C\" __global__ void broken() { nothing(); }",
