@@ -63,6 +63,9 @@ def _launch(xp, name, count, args, writes, reads, reference):
     if _is_rules(xp):
         function, arguments = reference
         return xp.kernel(name, lambda: function(np, *_raw(arguments)), writes, reads)
+    for array in args:
+        if hasattr(array, "flags") and not array.flags.c_contiguous:
+            raise ValueError(f"GPU kernel {name}: an array of shape {array.shape} is not C-contiguous")
     blocks = max(1, min(MAX_BLOCKS, -(-int(count) // THREADS)))
     module(xp).get_function(name)((blocks,), (THREADS,), args)
 

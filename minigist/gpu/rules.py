@@ -501,6 +501,9 @@ class RulesXP:
             for array in list(outputs) + list(inputs):
                 if isinstance(array, np.ndarray) and not isinstance(array, DeviceArray):
                     _violation("api", f"kernel {name}: a host array passed to a device kernel")
+                elif isinstance(array, np.ndarray) and not array.flags.c_contiguous:
+                    _violation("api", f"kernel {name}: a {array.shape} array that is not C-contiguous (the "
+                                      f"kernels index their arrays as flat and contiguous)")
         _inside.append(name)
         try:
             return run()
