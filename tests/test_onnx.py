@@ -359,6 +359,24 @@ def test_add_loss_trains_and_lossless_is_bit_identical_to_none(tmp_path):
     assert not np.array_equal(weights["none"]["BatchNormalization_1.mean"], net.graphs["TEST"].nodes[2].layer.params[0].initial)
 
 
+@pytest.mark.parametrize("gist", ["none", "all"])
+def test_an_imported_model_keeps_cupy_rules(tmp_path, gist):
+    """A training step of the small MobileNet-like net on the CPU-side checker of CuPy's rules
+    (minigist/gpu/rules.py): no output overlapping an input, no allocation outside the arena,
+    no subnormal arithmetic; the syncs are the loss (and SSDC's fit)."""
+    from minigist.gpu.rules import XP, Report, relu_like_batch
+    path, _ = small_cnn(tmp_path)
+    net = minigist.Net(path, device="cupy-rules", gist=gist, conv="im2col", update="fused", add_loss=True)
+    batches = [relu_like_batch((4, 3, 16, 16), 10, k) for k in range(2)]
+    net.train_step(*batches[0])
+    report = Report()
+    with XP.checking(report):
+        net.train_step(*batches[1])
+        report.steps += 1
+    assert report.all_violations() == [], report.lines()
+    assert report.summary()["host_syncs_per_step"] <= 2
+
+
 def test_train_py_trains_an_onnx_model_and_resumes_with_its_definition(tmp_path, capsys):
     path, _ = small_cnn(tmp_path)
     sys.path.insert(0, ROOT)

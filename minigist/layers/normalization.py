@@ -347,11 +347,13 @@ class BatchNormalization(BatchNorm):
         xp.reciprocal(inv_std, out=inv_std)
         return p[0].astype(self.dtype, copy=False), inv_std.astype(self.dtype, copy=False)
 
-    def _update_running(self, p, mean, var, m):
-        """ONNX's running averages: running * momentum + batch * (1 - momentum)."""
+    def _update_running(self, xp, p, mean, var, m, scratch):
+        """ONNX's running averages: running * momentum + batch * (1 - momentum); `scratch`
+        (C,) takes the product."""
         for running, batch in ((p[0], mean), (p[1], var)):
             running *= self.momentum
-            running += batch * (1.0 - self.momentum)
+            xp.multiply(batch, 1.0 - self.momentum, out=scratch)
+            running += scratch
 
 
 @register
@@ -583,10 +585,10 @@ class LRN(Layer):
         chunk = ws["scale"].shape[0]
         x3, y3 = paired(x[0], y[0], lambda a: a.reshape(self.shape3))
         for n0 in range(0, n, chunk):
-            xc = x3[n0:n0 + chunk]
+            xc, yc = paired(x3, y3, lambda a: a[n0:n0 + chunk])     # one object in place
             scale, _ = self._scale(xp, xc, ws["square"], ws["scale"])
             xp.power(scale, -self.beta, out=scale)
-            xp.multiply(xc, scale, out=paired(x3, y3, lambda a: a[n0:n0 + chunk])[1])
+            xp.multiply(xc, scale, out=yc)
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:

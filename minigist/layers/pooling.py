@@ -29,9 +29,19 @@ from .. import jit
 from ..gpu import kernels as gpu_kernels
 from ..errors import ModelFileError
 from . import pool_kernels
-from .base import Layer, TensorDecl, register
+from .base import Layer, TensorDecl, paired, register
 
 _FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def _runs(values):
+    """(start, stop, value) of each run of equal consecutive values."""
+    runs, start = [], 0
+    for index in range(1, len(values) + 1):
+        if index == len(values) or values[index] != values[start]:
+            runs.append((start, index, values[start]))
+            start = index
+    return runs
 
 
 def _overlap(offset, src_len, dst_len):
@@ -285,15 +295,20 @@ class Pooling(Layer):
                     xp.copyto(y0, window)
                 else:
                     xp.add(y0, window, out=y0)
-            xp.divide(y0, self._divisor(xp, y0.dtype), out=y0)
+            self._divide(xp, y0, y0)
 
-    def _divisor(self, xp, dtype):
+    def _divide(self, xp, values, out):
+        """out <- values (b, C, OH, OW) / each output's pool size: one division per block of
+        outputs with one size (the sizes differ only near the borders), by a number, so that
+        no divisor array is made on the device. Windows with no input (see the module notes)
+        divide by 1."""
         rows, cols = self._pool_sizes()
-        if rows.min() == rows.max() and cols.min() == cols.max():
-            return float(rows[0] * cols[0])
-        sizes = np.multiply.outer(rows, cols)
-        sizes[sizes <= 0] = 1       # windows with no input (see the module notes): 0 / 1
-        return xp.asarray(sizes.astype(dtype))
+        for r0, r1, row in _runs(rows):
+            for c0, c1, col in _runs(cols):
+                size = int(row) * int(col)
+                block = (slice(None), slice(None), slice(r0, r1), slice(c0, c1))
+                source, target = paired(values, out, lambda a: a[block])
+                xp.divide(source, float(size if size > 0 else 1), out=target)
 
     # ---- backward -----------------------------------------------------------------------
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
@@ -308,12 +323,11 @@ class Pooling(Layer):
             xp.divide(gy0.reshape(n, c, 1), h * w, out=gx0.reshape(n, c, h * w))
             return
         chunk = ws["gtop"].shape[0]
-        divisor = self._divisor(xp, gy0.dtype)
         for n0 in range(0, n, chunk):
             gyc, gxc = gy0[n0:n0 + chunk], gx0[n0:n0 + chunk]
             cws = {k: v[:gyc.shape[0]] for k, v in ws.items()}
             scaled = cws["gtop"]
-            xp.divide(gyc, divisor, out=scaled)
+            self._divide(xp, gyc, scaled)
             target = self._grad_target(xp, gxc, cws)
             for k, i, j in self._offsets():
                 dst = self._slice(target, i, j)
