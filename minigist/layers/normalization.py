@@ -98,12 +98,7 @@ class BatchNorm(Layer):
         if len(shape) < 1:
             self.fail("needs an input with at least one axis")
         self.use_global = bool(p.get("use_global_stats", self.spec.phase == "TEST"))
-        self.maf = float(p.get("moving_average_fraction", 0.999))
-        self.eps = float(p.get("eps", 1e-5))
-        if not 0.0 <= self.maf <= 1.0:
-            self.fail(f"moving_average_fraction must be in [0, 1], got {self.maf}")
-        if not self.eps >= 0.0:
-            self.fail(f"eps must be >= 0, got {self.eps}")
+        self.maf, self.eps = self._average_and_eps("moving_average_fraction", 0.999, "eps")
         for index, (lr_mult, _) in enumerate(self.spec.param_specs[:3]):
             if lr_mult != 0.0:
                 self.fail(f"param {index} has lr_mult {lr_mult}: the batch statistics cannot be "
@@ -116,6 +111,16 @@ class BatchNorm(Layer):
         self.add_param("scale_factor", (1,), zero, learnable=False)
         self._declare_stash(channels)
         return [tuple(shape)]
+
+    def _average_and_eps(self, fraction_name, fraction_default, eps_name):
+        """(the running average's weight of the old value, eps) from the layer's message, checked."""
+        fraction = float(self.p.get(fraction_name, fraction_default))
+        eps = float(self.p.get(eps_name, 1e-5))
+        if not 0.0 <= fraction <= 1.0:
+            self.fail(f"{fraction_name} must be in [0, 1], got {fraction}")
+        if not eps >= 0.0:
+            self.fail(f"{eps_name} must be >= 0, got {eps}")
+        return fraction, eps
 
     def _declare_stash(self, channels):
         """With batch statistics the backward keeps y (x_hat) and the saved inv_std."""
@@ -321,17 +326,11 @@ class BatchNormalization(BatchNorm):
     param_field = "batch_normalization_param"
 
     def setup(self, bottom_shapes):
-        p = self.p
         shape = bottom_shapes[0]
         if len(shape) < 2:
             self.fail(f"needs an input with a channel axis (N, C, ...), got shape {tuple(shape)}")
         self.use_global = self.spec.phase == "TEST"
-        self.momentum = float(p.get("momentum", 0.9))
-        self.eps = float(p.get("epsilon", 1e-5))
-        if not 0.0 <= self.momentum <= 1.0:
-            self.fail(f"momentum must be in [0, 1], got {self.momentum}")
-        if not self.eps >= 0.0:
-            self.fail(f"epsilon must be >= 0, got {self.eps}")
+        self.momentum, self.eps = self._average_and_eps("momentum", 0.9, "epsilon")
         self.shape3 = _shape3(shape)
         channels = self.shape3[1]
         one = filler_of(None)
