@@ -229,9 +229,6 @@ class OnnxFront:
         return name
 
     # ---- tensors --------------------------------------------------------------------------
-    def is_const(self, name):
-        return name in self.consts
-
     def blob(self, name, node, label):
         """The blob of an activation input."""
         name = self.alias.get(name, name)
@@ -278,12 +275,12 @@ class OnnxFront:
         """LayerSpecs of the graph's inputs, then of every node, in the file's order."""
         for tensor in self.graph.initializer:
             self.consts[tensor.name] = self._initializer(tensor)
-        inputs = []
+        images = []
         for spec in self._inputs():
             yield spec
-            inputs.append(spec.tops[0])
+            images.append(spec.tops[0])
         # the first input's batch size as built (the file's, or the one asked for)
-        self.batch = self.shape(inputs[0])[0] if inputs else None
+        self.batch = self.shape(images[0])[0] if images else None
         names = node_names(self.model)
         for node, label in zip(self.graph.node, names):
             if node.domain not in ("", "ai.onnx"):
@@ -306,7 +303,7 @@ class OnnxFront:
         return Const(tuple(tensor.dims), dtype, lambda: numpy_helper.to_array(tensor))
 
     def _inputs(self):
-        for index, info in enumerate(self.graph.input):
+        for info in self.graph.input:
             if info.name in self.consts or not self.uses.get(info.name):
                 continue        # an initializer listed as an input (IR < 4), or an input nothing reads
             tensor_type = info.type.tensor_type
