@@ -121,7 +121,8 @@ def make_parser():
                     epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("model and data")
     group.add_argument("--model", 
-                       help=f"a bundled model ({', '.join(bundled_models())}) or a .prototxt path "
+                       help=f"a bundled model ({', '.join(bundled_models())}), a Caffe .prototxt path or an "
+                            f"ONNX .onnx path (needs pip install 'minigist[onnx]'; docs/onnx.md) "
                             f"(default {DEFAULT_MODEL})")
     group.add_argument("--data", metavar="NAME|FOLDER",
                        help=f"'{DEFAULT_DATA}' (bundled MNIST digits, the default), 'synthetic' (random "
@@ -136,6 +137,9 @@ def make_parser():
                             "on the scores that feed its final Softmax (else on its last blob), with a label "
                             "input unless its data layer gives labels, and an Accuracy for evaluation; then "
                             "the file can be planned for training (--plan-only) and trained")
+    group.add_argument("--ignore-initializers", action="store_true",
+                       help="start an ONNX model from minigist's fillers (msra weights, zero biases, unit "
+                            "BatchNorm scale and variance) instead of the weights its file gives")
     group.add_argument("--input-channels", type=positive_int, metavar="N",
                        help="input channels of a data layer whose file states none (Caffe's Data, "
                             "ImageData without is_color); default: the data's (1 for mnist5k and a "

@@ -5,6 +5,10 @@
     loss = net.train_step(images, labels)      # forward, backward, SGD update (TRAIN phase)
     outputs = net.evaluate(images, labels)    # forward only (TEST phase): {"accuracy": ..}
 
+The model is a Caffe .prototxt or an ONNX .onnx file (minigist/onnx_import.py). An ONNX file's
+initializers are its starting weights; `initializers=False` starts from the layers' fillers
+instead.
+
 One arena holds everything: the persistent part (weights, their gradients, momentum) first,
 then the per-iteration part, which the training and the evaluation program share because they
 never run at the same time.
@@ -57,7 +61,8 @@ class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
-                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=()):
+                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(),
+                 initializers=True):
         self.options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels,
                                device=device, dtype=dtype, conv=conv, alloc=alloc, gist=gist, dpr=dpr,
                                binarize=binarize, overrides=gist_overrides, update=update, budget=memory_budget,
@@ -65,6 +70,7 @@ class Net:
         self.xp = get_xp(device)
         self.dtype = self.options.dtype
         self.seed = seed
+        self.initializers = bool(initializers)     # start from the file's weights where it gives them (ONNX)
         self.model = str(model)
         built = {phase: build(model, self.options, phase) for phase in ("TRAIN", "TEST")}
         self.graphs = {phase: graph for phase, (graph, _) in built.items()}
@@ -242,7 +248,11 @@ class Net:
             for index, decl in enumerate(layer.params):
                 weight, grad, momentum = param_buffer_names(layer, index)
                 if weight in self.arrays:
-                    self.arrays[weight][...] = self.xp.asarray(fill(decl.filler, decl.shape, rng, self.dtype))
+                    if decl.initial is not None and self.initializers:
+                        value = np.asarray(decl.initial, dtype=self.dtype)
+                    else:
+                        value = fill(decl.filler, decl.shape, rng, self.dtype)
+                    self.arrays[weight][...] = self.xp.asarray(value)
                 for name in (grad, momentum):
                     if name in self.arrays:
                         self.arrays[name].fill(0)

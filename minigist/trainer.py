@@ -61,6 +61,7 @@ class RunOptions:
     input_size: int | None = None
     batch_size: int | None = None
     add_loss: bool = False
+    ignore_initializers: bool = False
     input_channels: int | None = None
     crop_pad: int | None = None
     flip: str = "auto"
@@ -105,8 +106,8 @@ def bundled_models():
 
 
 def resolve_model(name):
-    """A bundled model name or a path to a .prototxt file."""
-    if os.path.sep in name or name.endswith(".prototxt"):
+    """A bundled model name or a path to a .prototxt or .onnx file."""
+    if os.path.sep in name or name.endswith((".prototxt", ".onnx")):
         if not os.path.isfile(name):
             raise MinigistError(f"--model: file not found: {name}")
         return name
@@ -656,7 +657,7 @@ class Trainer:
                   seed=args.seed, solver=solver, alloc=args.alloc, threads=args.threads,
                   input_channels=args.input_channels,
                   memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
-                  **gist_kwargs(args))
+                  initializers=not args.ignore_initializers, **gist_kwargs(args))
         if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
             raise MinigistError(f"--memory-budget: the weights and optimizer state alone need {net.persistent_bytes:,} "
                                 f"bytes, the budget allows {args.memory_budget:,} bytes")
