@@ -229,6 +229,11 @@ class _ThreadCommunicator(Communicator):
         self._meet(what)
         return out
 
+    def bcast_object(self, value, root=0):
+        chosen = self._exchange(value, "a broadcast")[root]
+        self._meet("a broadcast")
+        return chosen
+
     def _allgatherv(self, piece, counts, what):
         pieces = self._exchange(piece.copy(), what)
         out = np.concatenate(pieces) if pieces else piece
