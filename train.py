@@ -317,7 +317,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         if trainer.root:
             print(f"\ntrain.py: interrupted; {trainer.interrupted_note()}", file=sys.stderr)
-        return _leave(trainer, 130, every_rank=True)
+        return _leave(trainer, 130, stuck=True)
     except BrokenPipeError:
         try:
             sys.stdout = open(os.devnull, "w")
