@@ -34,8 +34,9 @@ def worker(args):
     from minigist.comm import launched_size, mpi_world
     comm = mpi_world() if (launched_size() or 1) > 1 else None
     path = os.path.join(ROOT, "models", args.model + ".prototxt")
-    net = minigist.Net(path, batch_size=args.batch_size, comm=comm, shard=args.shard, update="fused",
-                       conv=args.conv, threads=args.threads, gist="none", solver=minigist.SGD(lr=0.01))
+    net = minigist.Net(path, batch_size=args.batch_size, comm=comm, shard=args.shard if comm else "none",
+                       update="fused", conv=args.conv, threads=args.threads, gist="none",
+                       solver=minigist.SGD(lr=0.01))
     rng = np.random.default_rng(0)
     shape = (net.batch_size,) + tuple(net.train_graph.input_shape)
     images = rng.standard_normal(shape).astype(np.float32)

@@ -38,6 +38,8 @@ def open_ranks(args, plan_only):
     combinations are one-line errors, the same on every rank."""
     if args.shard not in SHARDS:
         raise MinigistError(f"--shard: expected one of {', '.join(SHARDS)}, got {args.shard!r}")
+    if not args.rank_timeout > 0:
+        raise MinigistError(f"--rank-timeout: expected a positive number of seconds, got {args.rank_timeout!r}")
     launched = launched_size() or 1
     if plan_only:
         args.ranks = args.ranks or launched

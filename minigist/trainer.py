@@ -19,9 +19,8 @@ import time
 
 import numpy as np
 
-from . import SGD, blas, datasets, jit, onednn     # SGD by its public name, wherever its module is
+from . import SGD, blas, datasets, distributed, jit, onednn     # SGD by its public name, wherever its module is
 from .backend import get_xp
-from . import distributed
 from .checkpoint import (CHECKPOINT_FORMAT, RESUME_CHANGEABLE, RESUME_KEYS, apply_checkpoint_config,
                          checkpoint_iteration, checkpoint_path, json_default, model_change, model_definition,
                          prepare_checkpoint_folder, read_checkpoint, remove_stale_temporaries, restore_state,

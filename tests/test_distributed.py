@@ -23,46 +23,22 @@ from minigist.memory import ALIGNMENT, align
 from minigist.nccl import NCCLCommunicator
 from minigist.passes.reduce import SHARDS, piece_elements
 from minigist.pipeline import Options, compile, per_rank, plan_footprint
-from test_train import one_line_error
+from test_train import TINY as TRAIN_TINY, one_line_error, train as train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
 WORKER = os.path.join(ROOT, "tests", "mpi_worker.py")
 MODELS = os.path.join(ROOT, "models")
 
-# every kind of state: BatchNorm's running sums (averaged over the ranks), Scale, a Dropout
-# drawing from each rank's own stream, momentum; batch 12 splits among 2, 3, 4 and 6 ranks
-TINY = """
-name: "tiny"
-layer { name: "data" type: "Input" top: "data" top: "label"
-  input_param { shape { dim: 12 dim: 3 dim: 8 dim: 8 } shape { dim: 12 } } }
-layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
-  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
-layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
-layer { name: "scale" type: "Scale" bottom: "conv" top: "conv" scale_param { bias_term: true } }
-layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
-layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "drop" type: "Dropout" bottom: "pool" top: "pool" dropout_param { dropout_ratio: 0.3 } }
-layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
-  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
-layer { name: "acc" type: "Accuracy" bottom: "fc" bottom: "label" top: "acc" include { phase: TEST } }
-"""
-# no batch statistics and nothing random: N ranks compute what one process computes, up to
-# the order of the additions
-PLAIN = """
-name: "plain"
-layer { name: "data" type: "Input" top: "data" top: "label"
-  input_param { shape { dim: 12 dim: 3 dim: 8 dim: 8 } shape { dim: 12 } } }
-layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
-  convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "msra" } } }
-layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
-layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
-  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
-layer { name: "acc" type: "Accuracy" bottom: "fc" bottom: "label" top: "acc" include { phase: TEST } }
-"""
+# test_train's tiny net, at batch 12 (which 2, 3, 4 and 6 ranks divide): every kind of state,
+# BatchNorm's running sums (averaged over the ranks), Scale, a Dropout drawing from each rank's
+# own stream, momentum
+TINY = TRAIN_TINY.replace("shape { dim: 4 dim: 3", "shape { dim: 12 dim: 3").replace("shape { dim: 4 }",
+                                                                                     "shape { dim: 12 }")
+# the same without batch statistics and randomness: N ranks compute what one process computes,
+# up to the order of the additions
+PLAIN = "\n".join(line for line in TINY.splitlines() if not any(kind in line for kind in ("BatchNorm", "Scale",
+                                                                                           "Dropout")))
 GLOBAL_BATCH = 12
 
 
@@ -115,7 +91,7 @@ def whole_and_pieces(model, ranks, itemsize=4):
     return out
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 8])
+@pytest.mark.parametrize("ranks", [3, pytest.param(2, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_each_sharded_category_is_one_nth_of_the_whole_to_the_alignment(ranks):
     alexnet = os.path.join(MODELS, "alexnet.prototxt")
     sizes = whole_and_pieces(alexnet, ranks)
@@ -201,6 +177,7 @@ def test_every_rank_holds_the_same_weights_after_every_step_in_every_shard_mode(
         assert same(state, reference), shard     # every shard mode: the same weights, bit for bit
 
 
+@pytest.mark.slow
 def test_three_ranks_other_allocations_and_gist(models):
     for settings in ({"alloc": "none", "shard": "weights"}, {"alloc": "dynamic", "shard": "gradients"},
                      {"gist": "all", "shard": "weights"}, {"gist": "lossless", "shard": "optimizer",
@@ -305,7 +282,7 @@ def test_shared_evaluation_counts_exactly(models):
         assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
 
 
-def test_bad_input_is_one_line(models):
+def test_bad_input_is_one_line(models, capsys):
     with pytest.raises(MinigistError, match=r"^--shard weights: splits the training state among ranks"):
         trainer.run(model=models["tiny"], data="synthetic", iters=1, shard="weights", out=lambda *a: None)
     with pytest.raises(MinigistError, match=r"^--ranks 4: a training run has as many ranks as processes"):
@@ -318,8 +295,11 @@ def test_bad_input_is_one_line(models):
         Options(shard="zero3")
     with pytest.raises(MinigistError, match=r"^--batch-size: the global batch of 12 cannot be split evenly among 5"):
         LocalGroup(5).run(lambda comm: minigist.Net(models["tiny"], comm=comm))
-    one_line_error(subprocess.run([sys.executable, TRAIN, "--shard", "optimizer", "--iters", "1"], capture_output=True,
-                                  text=True, timeout=60, cwd=ROOT), "--shard optimizer", "mpiexec -n N")
+    capsys.readouterr()
+    assert train_cli.main(["--shard", "optimizer", "--iters", "1"]) == 2
+    printed = capsys.readouterr()
+    assert printed.err.startswith("train.py: error: --shard optimizer: splits the training state") and \
+        printed.err.count("\n") == 1 and "mpiexec -n N" in printed.err
 
 
 def test_plan_only_prints_one_ranks_footprint(capsys):
