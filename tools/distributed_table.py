@@ -43,8 +43,7 @@ def main(ranks=8, global_batch=512):
         print(f"| {name} | {mib(single['footprint_bytes'])} | " + " | ".join(mib(sizes[s]) for s in SHARDS)
               + f" | {sizes['gradients'] / sizes['none']:.3f} | {sizes['weights'] / sizes['none']:.3f} |")
         kept_rows.append((name, reports))
-    print(f"\nWhat each rank keeps between steps (weights, momentum; MiB), `none` -> `weights`, and the "
-          f"largest bucket:\n")
+    print("\nWhat a rank keeps between steps, `none` -> `weights` (MiB), and the largest bucket:\n")
     print("| network | weights | momentum | largest bucket MiB |")
     print("|---|---:|---:|---:|")
     for name, reports in kept_rows:
