@@ -6,7 +6,7 @@ and train.py.
 
 `compile` builds the graph of one phase (or takes one already built), runs the passes in
 order (passes/backward.py, then for training passes/recompute.py and passes/gist.py, then
-passes/inplace.py) and
+passes/inplace.py and passes/reduce.py) and
 plans the program's memory. Options is frozen: a changed setting (densities measured by a
 calibration, a new budget) is a new Options, and a new compile.
 """
