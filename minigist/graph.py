@@ -211,9 +211,10 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
         specs = _with_added_loss(specs, phase, current, blobs, added)
     for spec in specs:
         cls = LAYER_TYPES.get(spec.type)
-        if cls is None:
+        if cls is None or (net is not None and not cls.caffe_type):
+            onnx_only = "" if cls is None else f": ONNX's operator, read from .onnx files, not a Caffe type"
             raise ModelFileError(path, spec.msg.line_of("type"),
-                                 f"unknown layer type '{spec.type}' (layer '{spec.name}')")
+                                 f"unknown layer type '{spec.type}' (layer '{spec.name}'){onnx_only}")
         layer = cls(spec, np.dtype(dtype), conv)
         if not spec.tops and layer.is_loss:
             # Caffe's LossLayer gives a loss layer written without a top an anonymous one

@@ -262,6 +262,7 @@ class HardSigmoid(_Bounded):
     """ONNX's HardSigmoid: y = max(0, min(1, alpha * x + beta)) (alpha 0.2, beta 0.5 unless
     given). Backward reads y: gx = alpha * gy where 0 < y < 1, else 0 (at the kinks 0)."""
     type = "HardSigmoid"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
     param_field = "hard_sigmoid_param"
     low, high = 0.0, 1.0
 
@@ -287,6 +288,7 @@ class HardSwish(Layer):
 
     Not a ReLU for Gist: its output is negative between -3 and 0, and its backward needs x."""
     type = "HardSwish"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
     param_field = "hard_swish_param"
     elementwise = True
     alpha, beta = float(np.float32(1.0 / 6.0)), 0.5

@@ -78,6 +78,7 @@ class Layer:
     num_tops = (1, 1)
     is_loss = False
     is_data = False
+    caffe_type = True        # a type Caffe's model files name (False: an ONNX operator's layer)
 
     def __init__(self, spec, dtype, engine=None):
         self.spec = spec

@@ -61,6 +61,7 @@ class Gemm(InnerProduct):
     alpha, beta; the rest as InnerProduct's inner_product_param, W in either layout). The
     gradients carry the same factors: gW = alpha * gy^T x, gb = beta * sum(gy), gx = alpha * gy W."""
     type = "Gemm"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
 
     def setup(self, bottom_shapes):
         top = super().setup(bottom_shapes)

@@ -323,6 +323,7 @@ class BatchNormalization(BatchNorm):
     variance where PyTorch averages the unbiased one. The TEST phase has training_mode=0's:
     the running statistics. The forward and backward passes are BatchNorm's."""
     type = "BatchNormalization"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
     param_field = "batch_normalization_param"
 
     def setup(self, bottom_shapes):

@@ -456,10 +456,12 @@ class OnnxPooling(Pooling):
 @register
 class MaxPool(OnnxPooling):
     type = "MaxPool"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
     method_name = "MAX"
 
 
 @register
 class AveragePool(OnnxPooling):
     type = "AveragePool"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
     method_name = "AVE"

@@ -260,6 +260,7 @@ class _Broadcast(Layer):
 class Add(_Broadcast):
     """ONNX's Add with broadcasting: y = a + b."""
     type = "Add"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
 
     def forward(self, xp, x, y, p, saved, ws):
         a, b = self._operands(x, p)
@@ -276,6 +277,7 @@ class Mul(_Broadcast):
     """ONNX's Mul with broadcasting: y = a * b. Backward keeps both bottoms (the gradient of
     each is gy times the other), or none when b is a constant (gx = gy * b)."""
     type = "Mul"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
     keeps_zeros = True      # 0 * b is 0 (for a finite b): zeros stay zeros
 
     def setup(self, bottom_shapes):
@@ -358,6 +360,7 @@ class Transpose(Layer):
     """y = x with its axes permuted by `perm` (default: reversed), ONNX's Transpose (ShuffleNet's
     channel shuffle); backward applies the inverse permutation."""
     type = "Transpose"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
     param_field = "transpose_param"
     keeps_zeros = True
 
@@ -383,6 +386,7 @@ class Pad(Layer):
     """Zero padding: `pads` gives the zeros before each axis, then after each axis (ONNX's
     order), all >= 0. Backward takes the gradient of the input's part."""
     type = "Pad"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
     param_field = "pad_param"
     keeps_zeros = True
 
