@@ -49,17 +49,23 @@ class StaticPlanner:
             best = max(best, live)
         return best
 
-    def _place(self, order, first_fit=False):
+    def _place(self, order, first_fit=False, give_up_at=None):
         """Offsets for the buffers in `order`, each in turn: in the smallest gap between the
         buffers already placed and live at the same time that holds it (best fit), or in the
-        lowest such gap (first fit); on top when no gap holds it."""
+        lowest such gap (first fit); on top when no gap holds it. None as soon as the top
+        reaches `give_up_at` (the size of a plan already found: this one cannot be smaller)."""
         offsets = [None] * len(self.sizes)
-        placed = []   # indices placed so far
+        steps = max(self.lasts) + 1
+        # the placed buffers' (offset, end) by the steps they are live at and by their first
+        # use: those live at the same time as [first, last] are the ones live at `first` and
+        # the ones first used in (first, last], each found once, without a scan of every buffer
+        live_at = [[] for _ in range(steps)]
+        starting_at = [[] for _ in range(steps)]
         top = 0
         for index in order:
             first, last, size = self.firsts[index], self.lasts[index], self.sizes[index]
-            busy = sorted((offsets[j], offsets[j] + self.sizes[j]) for j in placed
-                          if self.firsts[j] <= last and first <= self.lasts[j])
+            busy = live_at[first] + [span for step in range(first + 1, last + 1) for span in starting_at[step]]
+            busy.sort()
             best_offset, best_gap = None, None
             cursor = 0
             for start, end in busy:
@@ -71,8 +77,13 @@ class StaticPlanner:
                 cursor = max(cursor, end)
             offset = best_offset if best_offset is not None else cursor
             offsets[index] = offset
-            placed.append(index)
+            span = (offset, offset + size)
+            for step in range(first, last + 1):
+                live_at[step].append(span)
+            starting_at[first].append(span)
             top = max(top, offset + size)
+            if give_up_at is not None and top >= give_up_at:
+                return None
         return offsets, top
 
     def _breadth_order(self):
@@ -116,6 +127,9 @@ class StaticPlanner:
                 sorted(count, key=lambda i: (0 if at_peak[i] else 1, -self.sizes[i], self.firsts[i]))]
 
     def plan(self):
+        if not self.sizes:
+            self.offsets, self._arena_size = [], 0
+            return self
         count = range(len(self.sizes))
         orders = [
             sorted(count, key=lambda i: (-self.sizes[i], self.firsts[i])),
@@ -123,12 +137,19 @@ class StaticPlanner:
             sorted(count, key=lambda i: (-self.sizes[i] * (self.lasts[i] - self.firsts[i] + 1), self.firsts[i])),
             self._breadth_order(),
         ] + self._nested_orders()
-        best = None
+        # the first smallest arena wins: a trial stops once it reaches the best one's size, an
+        # order tried before is not tried again, and a plan at the lower bound ends the search
+        bound, best, tried = self.lower_bound(), None, []
         for order in orders:
+            if order in tried:
+                continue
+            tried.append(order)
             for first_fit in (False, True):
-                offsets, top = self._place(order, first_fit)
-                if best is None or top < best[1]:
-                    best = (offsets, top)
+                if best is not None and best[1] == bound:
+                    break
+                placed = self._place(order, first_fit, give_up_at=None if best is None else best[1])
+                if placed is not None:
+                    best = placed
         self.offsets, self._arena_size = best
         return self
 
