@@ -225,8 +225,9 @@ def test_small_models_train_through_train_py(model, folder):
 
 
 def test_synthetic_data_and_eval_every(tiny):
+    # a whole epoch in 19 steps of 50 rather than 238 of the file's 4: the same epoch end
     result = run_cli("--model", tiny, "--data", "synthetic", "--epochs", 1, "--holdout", 0.05,
-                     "--train-eval-size", 8, "--eval-every", 0)
+                     "--train-eval-size", 8, "--eval-every", 0, "--batch-size", 50)
     assert result.returncode == 0, result.stderr
     assert "epoch 1/1 " in result.stdout
 
@@ -426,7 +427,7 @@ def test_memory_budget_is_held_against_the_calibrated_plan(tmp_path):
     # the CLI calibrates on mnist-like synthetic data, so give it room between its own two plans
     between = (calibrated + uncalibrated) // 2
     result = run_cli("--model", path, "--data", "synthetic", "--gist", "lossless", "--iters", 1,
-                     "--memory-budget", between, "--eval-every", 0)
+                     "--memory-budget", between, "--eval-every", 0, "--train-eval-size", 0)
     assert result.returncode == 0, result.stderr
     one_line_error(run_cli("--model", path, "--data", "synthetic", "--gist", "lossless", "--iters", 1,
                            "--memory-budget", 10_000), "--memory-budget", "weights and optimizer state")
