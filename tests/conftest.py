@@ -1,7 +1,13 @@
 """Shared fixtures."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from minigist import jit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(params=["xp", "kernels"])
@@ -12,3 +18,10 @@ def kernel_path(request):
         pytest.skip("numba is not installed (pip install minigist[fast])")
     with jit.use_kernels(request.param == "kernels"):
         yield request.param
+
+
+@pytest.fixture(scope="session")
+def train_help():
+    """`python train.py --help`, run once for the tests that read it."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)

@@ -285,14 +285,14 @@ def test_edited_model_is_refused_on_resume_naming_what_changed(tmp_path):
 
 
 # ---- 11, 12. fresh runs over a checkpoint, --resume without one ------------------------------
-def test_fresh_run_over_a_checkpoint_is_refused(tiny, tmp_path):
-    assert run_cli("--model", tiny, *SYNTH, "--iters", 3, "--checkpoint", tmp_path).returncode == 0
-    one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 2, "--checkpoint", tmp_path),
-                   "iteration 3", "--resume", "--overwrite")
-    assert read_checkpoint(str(tmp_path))[0]["iteration"] == 3
-    replaced = run_cli("--model", tiny, *SYNTH, "--iters", 2, "--checkpoint", tmp_path, "--overwrite")
-    assert replaced.returncode == 0, replaced.stderr
+def test_fresh_run_over_a_checkpoint_is_refused(checkpoint_file, tiny, tmp_path):
+    (tmp_path / CHECKPOINT_NAME).write_bytes(checkpoint_file[1])      # train.py's, at iteration 2
+    one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 3, "--checkpoint", tmp_path),
+                   "iteration 2", "--resume", "--overwrite")
     assert read_checkpoint(str(tmp_path))[0]["iteration"] == 2
+    replaced = run_cli("--model", tiny, *SYNTH, "--iters", 3, "--checkpoint", tmp_path, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert read_checkpoint(str(tmp_path))[0]["iteration"] == 3
     one_line_error(run_cli("--checkpoint", tmp_path, "--resume", "--overwrite"), "--overwrite")
 
 

@@ -30,10 +30,9 @@ def test_a_compile_is_announced_in_one_line_and_a_cache_load_is_not(tmp_path):
     assert again.stderr == ""
 
 
-def test_help_quotes_no_measured_figures():
+def test_help_quotes_no_measured_figures(train_help):
     """Run times and accuracies live in the README, measured; --help points there."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True,
-                            text=True, timeout=120)
+    result = train_help
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert "README" in text

@@ -137,8 +137,8 @@ def test_eval_pads_the_last_batch_and_counts_only_real_samples(tiny, folder):
 
 
 # ---- end to end ---------------------------------------------------------------------------
-def test_help_explains_every_flag():
-    result = run_cli("--help")
+def test_help_explains_every_flag(train_help):
+    result = train_help
     assert result.returncode == 0
     for flag in ("--model", "--data", "--input-size", "--batch-size", "--epochs", "--iters", "--lr",
                  "--momentum", "--weight-decay", "--lr-step", "--lr-gamma", "--alloc", "--device", "--seed",
@@ -347,9 +347,10 @@ def test_data_folder_errors(tmp_path, tiny):
 
 
 def test_input_size_and_budget_errors():
+    # `--plan-only --memory-budget 1MB` runs in tests/test_first_run.py, whose
+    # test_the_plan_only_budget_error_lists_the_largest_buffers asserts this line and more
     one_line_error(run_cli("--model", "inception_v3", "--input-size", 32, "--iters", 1), "--input-size 32", "inception_v3")
     one_line_error(run_cli("--iters", 1, "--memory-budget", "1MB"), "--memory-budget")
-    one_line_error(run_cli("--plan-only", "--memory-budget", "1MB"), "--memory-budget")
 
 
 def test_dataset_errors_in_process(tmp_path):
