@@ -85,7 +85,10 @@ def test_damaged_checkpoints_are_one_error_or_read_exactly(checkpoint_file, tmp_
     assert damaged > len(cuts) and intact > 0
 
 
-@pytest.mark.parametrize("cut", [10, 100, "middle"])
+# each cut fails in its own way inside zipfile (test_damaged_checkpoints_are_one_error_or_read_exactly
+# checks read_checkpoint on every one); train.py turns each into the same line
+@pytest.mark.parametrize("cut", [pytest.param(10, marks=pytest.mark.slow), pytest.param(100, marks=pytest.mark.slow),
+                                 "middle"])
 def test_truncated_checkpoint_on_resume_is_one_line(checkpoint_file, tmp_path, cut):
     path, data = checkpoint_file
     folder = damaged_copy(tmp_path, data[:len(data) // 2 if cut == "middle" else cut])
@@ -211,7 +214,9 @@ def test_memory_budget_values(argv, words, capsys):
 
 
 # ---- 4. output paths -----------------------------------------------------------------------
-@pytest.mark.parametrize("flag", ["--report-json", "--plot", "--trace", "--log"])
+# one loop checks the four paths (minigist.trainer.check_output_paths): the quick subset runs one
+@pytest.mark.parametrize("flag", ["--report-json"] + [pytest.param(flag, marks=pytest.mark.slow)
+                                                      for flag in ("--plot", "--trace", "--log")])
 def test_output_paths_are_checked_before_training(flag, tiny, tmp_path):
     start = time.perf_counter()
     result = run_cli("--model", tiny, *SYNTH, "--iters", 1, flag, tmp_path / "no" / "such" / "out.x")

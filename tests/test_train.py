@@ -317,14 +317,31 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny, tmp_path):
 def test_unknown_model_and_flag_values():
     one_line_error(run_cli("--model", "nosuchnet"), "nosuchnet", "bundled")
     one_line_error(run_cli("--alloc", "sometimes"), "--alloc")
+    one_line_error(run_cli("--epochs", 2, "--iters", 3), "--iters")
+
+
+@pytest.mark.slow
+def test_more_flag_values():
+    """The parser's other kinds of value (the quick test above has its choices) and a flag that
+    needs another."""
     one_line_error(run_cli("--batch-size", "0"), "--batch-size")
     one_line_error(run_cli("--flip", "maybe"), "--flip")
-    one_line_error(run_cli("--epochs", 2, "--iters", 3), "--iters")
     one_line_error(run_cli("--resume"), "--checkpoint")
 
 
 def test_data_folder_errors(tmp_path, tiny):
     one_line_error(run_cli("--model", tiny, "--data", tmp_path / "missing"), "missing")
+    broken = tmp_path / "broken"
+    (broken / "a").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(broken / "a" / "good.png")
+    (broken / "a" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg")
+    one_line_error(run_cli("--model", tiny, "--data", broken), "bad.jpg")
+
+
+@pytest.mark.slow
+def test_more_data_folder_errors(tmp_path, tiny):
+    """An empty folder, a class folder without images, more class folders than classes (the
+    last also in tests/test_data_input.py's quick test_fewer_classes_than_outputs_warns)."""
     empty = tmp_path / "empty"
     empty.mkdir()
     one_line_error(run_cli("--model", tiny, "--data", empty), "empty")
@@ -334,11 +351,6 @@ def test_data_folder_errors(tmp_path, tiny):
     Image.new("RGB", (8, 8)).save(uneven / "a" / "x.png")
     (uneven / "b" / "readme.txt").write_text("no images here")
     one_line_error(run_cli("--model", tiny, "--data", uneven), str(uneven / "b"), "no images")
-    broken = tmp_path / "broken"
-    (broken / "a").mkdir(parents=True)
-    Image.new("RGB", (8, 8)).save(broken / "a" / "good.png")
-    (broken / "a" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg")
-    one_line_error(run_cli("--model", tiny, "--data", broken), "bad.jpg")
     many = tmp_path / "many"
     for i in range(4):
         (many / f"c{i}").mkdir(parents=True)
@@ -580,10 +592,13 @@ def test_plan_only_takes_the_bundled_densities_as_the_gist_table_does(tmp_path, 
 
 @pytest.mark.parametrize("content, words", [
     ("{not json", "is not JSON"),
-    ('{"density": [1, 2]}', 'no "density" object'),
-    ('{"density": {"no_such_blob": 0.5}}', "'no_such_blob', which is no blob of"),
-    ('{"density": {"inception_3a/output": 1.5}}', "not a fraction"),
-    ('{"input_size": 299, "density": {}}', "measured at input size 299, this plan's is 224"),
+    # each its own check in minigist.densities.read_densities, made one line by the same code: the
+    # quick subset runs one
+    pytest.param('{"density": [1, 2]}', 'no "density" object', marks=pytest.mark.slow),
+    pytest.param('{"density": {"no_such_blob": 0.5}}', "'no_such_blob', which is no blob of", marks=pytest.mark.slow),
+    pytest.param('{"density": {"inception_3a/output": 1.5}}', "not a fraction", marks=pytest.mark.slow),
+    pytest.param('{"input_size": 299, "density": {}}', "measured at input size 299, this plan's is 224",
+                 marks=pytest.mark.slow),
 ])
 def test_a_bad_densities_file_is_one_line_naming_it(content, words, tmp_path):
     bad = tmp_path / "bad.json"
