@@ -143,16 +143,29 @@ def test_onednn_nets_train_like_im2col_and_repeat_bit_for_bit(model):
                     np.concatenate([w.ravel() for w in theirs.values()])) < 1e-4
 
 
+_STATIC = {}
+
+
+def static_runs():
+    """The plain static net's weights after training, and the lossless one's: the same for every
+    allocation mode below, so trained once."""
+    if not _STATIC:
+        plain = small_net("vgg_small", conv="onednn")
+        data = batches(plain)
+        _, _STATIC["plain"] = train(plain, data)
+        lossless = small_net("vgg_small", conv="onednn", gist="lossless")
+        lossless.calibrate(data)
+        _, _STATIC["lossless"] = train(lossless, data)
+        _STATIC["data"] = data
+    return _STATIC
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("alloc", ["none", "dynamic"])
 def test_onednn_lossless_gist_and_allocation_modes_keep_the_bits(alloc):
     """Gist lossless and every allocation mode train to the same bits as the plain static net."""
-    plain = small_net("vgg_small", conv="onednn")
-    data = batches(plain)
-    _, want = train(plain, data)
-    lossless = small_net("vgg_small", conv="onednn", gist="lossless")
-    lossless.calibrate(data)
-    _, got = train(lossless, data)
+    runs = static_runs()
+    want, got, data = runs["plain"], runs["lossless"], runs["data"]
     for key in want:
         np.testing.assert_array_equal(got[key], want[key])
     _, got = train(small_net("vgg_small", conv="onednn", alloc=alloc), data)
