@@ -1,11 +1,21 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the environment of the test processes."""
 import os
 import subprocess
 import sys
 
-import pytest
+# By libgomp's default an OpenMP thread (oneDNN's, and numba's beside it) spins while it waits
+# for the next parallel region. Where other processes want the cores too, a spinning thread is
+# the one the scheduler takes its core from, and each region waits for it: 25 ResNet-20
+# evaluation steps on oneDNN's two threads took 1.6-4.3 s instead of 0.13 s on a loaded
+# 2-core machine. The tests check results and thread counts, never this timing: their
+# processes (this one and every train.py it starts, which inherit it) wait passively, unless
+# the environment says otherwise. Set before anything loads libgomp (minigist loads oneDNN,
+# and libgomp with it, on first use).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from minigist import jit
+import pytest  # noqa: E402
+
+from minigist import jit  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
