@@ -126,21 +126,24 @@ class StaticPlanner:
                        else (1, -self.sizes[i], self.firsts[i])),
                 sorted(count, key=lambda i: (0 if at_peak[i] else 1, -self.sizes[i], self.firsts[i]))]
 
-    def plan(self):
-        if not self.sizes:
-            self.offsets, self._arena_size = [], 0
-            return self
+    def _orders(self):
+        """The orders plan() places the buffers in, each tried with best fit, then first fit."""
         count = range(len(self.sizes))
-        orders = [
+        return [
             sorted(count, key=lambda i: (-self.sizes[i], self.firsts[i])),
             sorted(count, key=lambda i: (-(self.lasts[i] - self.firsts[i]), -self.sizes[i], self.firsts[i])),
             sorted(count, key=lambda i: (-self.sizes[i] * (self.lasts[i] - self.firsts[i] + 1), self.firsts[i])),
             self._breadth_order(),
         ] + self._nested_orders()
+
+    def plan(self):
+        if not self.sizes:
+            self.offsets, self._arena_size = [], 0
+            return self
         # the first smallest arena wins: a trial stops once it reaches the best one's size, an
         # order tried before is not tried again, and a plan at the lower bound ends the search
         bound, best, tried = self.lower_bound(), None, []
-        for order in orders:
+        for order in self._orders():
             if order in tried:
                 continue
             tried.append(order)
