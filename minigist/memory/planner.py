@@ -13,6 +13,8 @@ first, longest first, largest area first, greedy by breadth, the busiest step's 
 stacked first); the smallest arena wins. `lower_bound()` is the most bytes live at any one step: no plan can be
 smaller.
 """
+import numpy as np
+
 from . import align
 
 
@@ -53,26 +55,36 @@ class StaticPlanner:
         """Offsets for the buffers in `order`, each in turn: in the smallest gap between the
         buffers already placed and live at the same time that holds it (best fit), or in the
         lowest such gap (first fit); on top when no gap holds it."""
-        offsets = [None] * len(self.sizes)
-        placed = []   # indices placed so far
+        count = len(self.sizes)
+        offsets = [None] * count
+        firsts = np.asarray(self.firsts, dtype=np.int64)
+        lasts = np.asarray(self.lasts, dtype=np.int64)
+        sizes = np.asarray(self.sizes, dtype=np.int64)
+        # the buffers placed so far, in placing order (arrays: the search is over all of them)
+        placed_first, placed_last = np.empty(count, np.int64), np.empty(count, np.int64)
+        placed_start, placed_end = np.empty(count, np.int64), np.empty(count, np.int64)
         top = 0
-        for index in order:
-            first, last, size = self.firsts[index], self.lasts[index], self.sizes[index]
-            busy = sorted((offsets[j], offsets[j] + self.sizes[j]) for j in placed
-                          if self.firsts[j] <= last and first <= self.lasts[j])
-            best_offset, best_gap = None, None
-            cursor = 0
-            for start, end in busy:
-                gap = start - cursor
-                if gap >= size and (best_gap is None or gap < best_gap):
-                    best_offset, best_gap = cursor, gap
-                    if first_fit:
-                        break
-                cursor = max(cursor, end)
-            offset = best_offset if best_offset is not None else cursor
+        for placed, index in enumerate(order):
+            first, last, size = firsts[index], lasts[index], sizes[index]
+            live = (placed_first[:placed] <= last) & (first <= placed_last[:placed])
+            starts, ends = placed_start[:placed][live], placed_end[:placed][live]
+            offset = 0
+            if len(starts):
+                by_place = np.lexsort((ends, starts))
+                starts, ends = starts[by_place], ends[by_place]
+                # the lowest free byte before each busy range: the highest end below it so far
+                cursors = np.concatenate(([0], np.maximum.accumulate(ends)[:-1]))
+                gaps = starts - cursors
+                fitting = np.flatnonzero(gaps >= size)
+                if len(fitting):
+                    pick = fitting[0] if first_fit else fitting[np.argmin(gaps[fitting])]
+                    offset = int(cursors[pick])
+                else:
+                    offset = max(0, int(ends.max()))
             offsets[index] = offset
-            placed.append(index)
-            top = max(top, offset + size)
+            placed_first[placed], placed_last[placed] = first, last
+            placed_start[placed], placed_end[placed] = offset, offset + size
+            top = max(top, offset + int(size))
         return offsets, top
 
     def _breadth_order(self):
