@@ -55,11 +55,14 @@ class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
-                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=()):
+                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(), plan=None):
         self.options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels,
                                device=device, dtype=dtype, conv=conv, alloc=alloc, gist=gist, dpr=dpr,
                                binarize=binarize, overrides=gist_overrides, update=update, budget=memory_budget,
                                densities=ssdc_density, add_loss=add_loss, recompute=recompute)
+        if plan is not None:    # minigist.optimize's plan: its settings and decisions win
+            self.options = plan.options.replace(device=device, dtype=dtype, budget=memory_budget)
+        self.optimized = plan if hasattr(plan, "decisions") else None
         self.xp = get_xp(device)
         self.dtype = self.options.dtype
         self.seed = seed
@@ -127,6 +130,15 @@ class Net:
         (dynamic). Weights and momentum are kept. train.py sets its budget this way after
         calibration, so that the plan it checks is the one SSDC's measured densities give."""
         self.options = self.options.replace(budget=budget)
+        self._build()
+
+    def apply_plan(self, plan):
+        """Train with a plan of minigist.optimize from now on (its Gist overrides, recomputed
+        tensors and densities; re-plans, weights and momentum kept)."""
+        self.options = self.options.replace(gist=plan.options.gist, dpr=plan.options.dpr,
+                                            overrides=plan.options.overrides, recompute=plan.options.recompute,
+                                            densities=plan.options.densities)
+        self.optimized = plan
         self._build()
 
     def set_densities(self, densities):
@@ -318,6 +330,8 @@ class Net:
                               "ssdc_fallback_bytes": self.stats.fallback_bytes})
         report = footprint_report(self.plans["train"], model=self.model,
                                   parameters=self.train_graph.param_count(), extra=extra)
+        if self.optimized is not None:
+            report["optimizer"] = self.optimized.to_json()
         return with_evaluation(report, self.plans["train"], self.plans["eval"], self.graphs["TEST"])
 
     # ---- parameters ---------------------------------------------------------------------

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .costmodel import step_flops
 from .errors import MinigistError
 from .memory import align
 from .memory.report import footprint_report, live_by_step
@@ -43,6 +44,11 @@ from .program import INPUT, STASH
 KEEP = "fp32"
 RECOMPUTE = "recompute"
 ROUNDS = 5              # compiles of candidate plans per solve, at most
+# the solver's stopping rules, all deterministic (no time limit): a solution within these
+# fractions of the best possible one, or the best found after NODE_LIMIT branch-and-bound nodes
+PEAK_GAP = 1e-3
+TIME_GAP = 1e-2
+NODE_LIMIT = 3000
 _MIB = float(1 << 20)   # the solver works in MiB
 
 
@@ -132,6 +138,7 @@ class _Stash:
     options: list = field(default_factory=list)
     sources: tuple = ()       # stashed blobs a replay starts from
     chain_seconds: float = 0.0
+    chain_flops: int = 0
     chain_bytes: int = 0      # maps a replay rebuilds on the way (its own, freed when done)
 
 
@@ -322,6 +329,7 @@ class Optimizer:
             return
         stash.sources = tuple(sorted(s for s in sources if s in self.stashes))
         stash.chain_seconds = sum(self.step_cost[i] for i in chain)
+        stash.chain_flops = sum(step_flops(program.steps[i]) for i in chain)
         scratch = 0
         for index in chain:
             step = program.steps[index]
@@ -358,13 +366,12 @@ class Optimizer:
                 dependents.setdefault(source, []).append(tensor)
                 other = self.stashes[source]
                 if source in recompute and other.first_reader > stash.first_reader:
+                    pair = [(tensor, recompute[tensor]), (source, recompute[source])]
                     at = stash.first_reader
-                    extras.append(_Extra([[(tensor, recompute[tensor]), (source, recompute[source])]],
-                                         [(at, at, other.nbytes + other.chain_bytes)], other.chain_seconds))
+                    extras.append(_Extra([pair], [(at, at, other.nbytes + other.chain_bytes)], other.chain_seconds))
                     for deeper in other.sources:        # no chains of three
                         if deeper in recompute and self.stashes[deeper].first_reader > stash.first_reader:
-                            forbidden.append([(tensor, recompute[tensor]), (source, recompute[source]),
-                                              (deeper, recompute[deeper])])
+                            forbidden.append(pair + [(deeper, recompute[deeper])])
         for source, tensors in dependents.items():
             other = self.stashes[source]
             tensors = sorted(tensors, key=lambda t: self.stashes[t].first_reader)
@@ -426,8 +433,7 @@ class Optimizer:
             ranges.append((start, len(columns)))
         extra_start = len(columns)
         peak = extra_start + len(self.extras)
-        count = peak + 1
-        seconds = [o.seconds for _, o in columns] + [e.seconds for e in self.extras] + [0.0]
+        level = peak + 1                            # then one level per segment (below)
         items = [(c, o.intervals) for c, (_, o) in enumerate(columns)]
         items += [(extra_start + k, e.intervals) for k, e in enumerate(self.extras)]
         # step segments over which every column's bytes are constant
@@ -440,8 +446,10 @@ class Optimizer:
         for index, (start, end) in enumerate(zip(cuts[:-1], cuts[1:])):
             segment_of[start:end] = index
         segments = len(cuts) - 1
-        level = self.base_live + self.correction
-        constant = np.array([level[s:e].max() for s, e in zip(cuts[:-1], cuts[1:])])
+        count = level + segments
+        seconds = [o.seconds for _, o in columns] + [e.seconds for e in self.extras] + [0.0] * (1 + segments)
+        level_of = self.base_live + self.correction
+        constant = np.array([level_of[s:e].max() for s, e in zip(cuts[:-1], cuts[1:])])
         rows, cols, vals, lower, upper = [], [], [], [], []
 
         def add_row(entries, low, high):
@@ -453,13 +461,22 @@ class Optimizer:
             lower.append(low)
             upper.append(high)
 
-        by_segment = [[(peak, -1.0)] for _ in range(segments)]
+        # the bytes live in each segment as a variable, each equal to the one before plus what
+        # starts and less what ended there: a column takes two entries per interval, not one
+        # per segment it spans (a sparse, banded matrix: the LPs solve many times faster)
+        changes = [[] for _ in range(segments)]
         for column, intervals in items:
             for first, last, nbytes in intervals:
-                for segment in range(segment_of[first], segment_of[last] + 1):
-                    by_segment[segment].append((column, nbytes / _MIB))
-        for segment, entries in enumerate(by_segment):
-            add_row(entries, -np.inf, -constant[segment] / _MIB)
+                changes[segment_of[first]].append((column, -nbytes / _MIB))
+                if segment_of[last] + 1 < segments:
+                    changes[segment_of[last] + 1].append((column, nbytes / _MIB))
+        for segment in range(segments):
+            entries = [(level + segment, 1.0)] + changes[segment]
+            step = constant[segment] - (constant[segment - 1] if segment else 0.0)
+            if segment:
+                entries.append((level + segment - 1, -1.0))
+            add_row(entries, step / _MIB, step / _MIB)
+            add_row([(level + segment, 1.0), (peak, -1.0)], -np.inf, 0.0)
         for start, end in ranges:                        # one option per tensor
             add_row([(c, 1.0) for c in range(start, end)], 1.0, 1.0)
         for k, extra in enumerate(self.extras):          # an extra holds when a group of its is chosen
@@ -472,22 +489,20 @@ class Optimizer:
             add_row([(c, v) for c, v in enumerate(seconds) if v], -np.inf, cap_seconds)
         matrix = coo_array((vals, (rows, cols)), shape=(len(lower), count)).tocsr()
         integrality = np.ones(count)
-        integrality[peak] = 0
+        integrality[peak:] = 0
         low, high = np.zeros(count), np.ones(count)
-        low[peak], high[peak] = -np.inf, np.inf
+        low[peak:], high[peak:] = -np.inf, np.inf
         if cap_bytes is not None:
             high[peak] = cap_bytes / _MIB
         constraints = LinearConstraint(matrix, lower, upper)
-        options = {"mip_rel_gap": 1e-4, "presolve": True}
-        if minimize_peak:
-            objective = np.zeros(count)
+        if minimize_peak:       # the peak, ties to the least time (1% of the step weighs 0.1 MiB)
+            objective = np.array(seconds) * (0.1 / (0.01 * self.base_seconds))
             objective[peak] = 1.0
-            result = milp(objective, integrality=integrality, bounds=Bounds(low, high), constraints=constraints,
-                          options=options)
-            if result.x is None:
-                return self._no_answer(result)
-            high[peak] = result.x[peak] + 0.25     # MiB: room for the solver's tolerances
-        result = milp(np.array(seconds), integrality=integrality, bounds=Bounds(low, high), constraints=constraints,
+            options = {"mip_rel_gap": PEAK_GAP, "node_limit": NODE_LIMIT}
+        else:
+            objective = np.array(seconds)
+            options = {"mip_rel_gap": TIME_GAP, "node_limit": NODE_LIMIT}
+        result = milp(objective, integrality=integrality, bounds=Bounds(low, high), constraints=constraints,
                       options=options)
         if result.x is None:
             return self._no_answer(result)
@@ -495,7 +510,7 @@ class Optimizer:
 
     @staticmethod
     def _no_answer(result):
-        if result.status != 2:      # 2: infeasible; anything else is no answer at all
+        if result.status not in (1, 2):     # infeasible, or no solution within the node limit
             raise MinigistError(f"the optimizer's MILP solver stopped: {result.message}")
         return None
 
