@@ -213,7 +213,8 @@ class Optimizer:
         self.correction = np.zeros(self.steps)
         rules = {t: next((o for o in s.options if o.override is None and not o.recompute), s.options[0])
                  for t, s in self.stashes.items()}
-        self.correction = self._residual(rules, self.lossless)
+        self.initial_correction = self._residual(rules, self.lossless)
+        self.correction = self.initial_correction
 
     # ---- the model ----------------------------------------------------------------------
     def _needed(self, compiled):
@@ -553,6 +554,7 @@ class Optimizer:
         """The plan of least predicted time whose exact footprint fits `budget` bytes; a
         MinigistError naming the smallest footprint reachable when none does."""
         budget = int(budget)
+        self.correction = self.initial_correction      # what one call learns stays in it: deterministic
         margin, seen = 0.0, set()
         for round_index in range(ROUNDS):
             choice = self._solve(cap_bytes=budget - margin)
@@ -584,6 +586,7 @@ class Optimizer:
         equals), within `cap_seconds` of predicted time added when given; None when the model
         finds none within it."""
         best, bias = None, 0.0
+        self.correction = self.initial_correction
         for round_index in range(3):
             choice = self._solve(cap_seconds=None if cap_seconds is None else cap_seconds - bias, minimize_peak=True)
             if choice is None:
