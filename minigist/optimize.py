@@ -555,7 +555,7 @@ class Optimizer:
         MinigistError naming the smallest footprint reachable when none does."""
         budget = int(budget)
         self.correction = self.initial_correction      # what one call learns stays in it: deterministic
-        margin, seen = 0.0, set()
+        margin = 0.0
         for round_index in range(ROUNDS):
             choice = self._solve(cap_bytes=budget - margin)
             if choice is None:
@@ -564,13 +564,10 @@ class Optimizer:
             plan.rounds = round_index + 1
             if plan.footprint_bytes <= budget:
                 return plan
-            key = _key(choice)
             self._learn(choice, plan)
-            # the planner's arena above the most bytes live, and a choice seen before: more room
-            margin += max(0, plan.compiled.plan.transient_bytes - plan.compiled.plan.lower_bound)
-            if key in seen:
-                margin += plan.footprint_bytes - budget
-            seen.add(key)
+            # the model's error moves with the choice (codes whose neighbours changed): ask the
+            # next solve for what this one missed by, on top of the correction
+            margin += plan.footprint_bytes - budget
         smallest = self.smallest()
         if smallest.footprint_bytes <= budget:
             smallest.budget_bytes = budget
@@ -606,10 +603,6 @@ class Optimizer:
     def within(self, overhead):
         """The plan of the smallest footprint whose predicted overhead is at most `overhead`."""
         return self.smallest(cap_seconds=self.base_seconds * overhead)
-
-
-def _key(choice):
-    return tuple(sorted((t, o.name, o.recompute) for t, o in choice.items()))
 
 
 def dominated_by(plan):
