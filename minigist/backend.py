@@ -10,6 +10,9 @@ import numpy
 from .errors import MinigistError
 
 DEVICES = ("cpu", "gpu", "auto")
+# the CPU-side checker of CuPy's rules (minigist/gpu/rules.py): numpy under cupy's rules, for
+# tests and tools/cupy_rules.py; not a --device choice
+RULES_DEVICE = "cupy-rules"
 
 
 def gpu_available():
@@ -22,6 +25,9 @@ def gpu_available():
 
 def get_xp(device="cpu"):
     """Return the array module for `device` ('cpu', 'gpu' or 'auto')."""
+    if device == RULES_DEVICE:
+        from .gpu.rules import XP
+        return XP
     if device not in DEVICES:
         raise MinigistError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cpu" or (device == "auto" and not gpu_available()):
@@ -53,6 +59,5 @@ def scoped(setter, value):
 
 def to_numpy(array):
     """A numpy copy (or the array itself) of a numpy or cupy array."""
-    if isinstance(array, numpy.ndarray):
-        return array
-    return array.get()
+    get = getattr(array, "get", None)     # cupy's (and the checker's) device-to-host copy
+    return array if get is None else get()

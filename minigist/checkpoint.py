@@ -18,6 +18,7 @@ import zlib
 import numpy as np
 
 from .errors import MinigistError
+from .gpu.kernels import CounterRNG
 from .prototxt import parse_file
 
 DIGEST_KEY = "__digest__"
@@ -298,7 +299,8 @@ def check_meta(meta, check_config=None):
         check_config(meta["config"])
     for name in ("data_rng", "net_rng"):
         if meta[name] is not None:     # the bit generator's own check of its state
-            np.random.default_rng(0).bit_generator.state = meta[name]
+            rng = CounterRNG(0) if meta[name].get("bit_generator") == CounterRNG.NAME else np.random.default_rng(0)
+            rng.bit_generator.state = meta[name]
     if not all(isinstance(loss, (int, float)) and not isinstance(loss, bool) for loss in meta["epoch_losses"]):
         raise ValueError("the metadata's epoch_losses are not all numbers")
     if not all(isinstance(record, dict) for record in meta["history"] + meta["changes"]):

@@ -1,5 +1,5 @@
 """The executor: binds each step of a program to array views, then runs them in a plain loop."""
-from .memory.arena import view
+from .memory.arena import Views
 from .memory.plan import schedule
 from .sgd import bind_update
 
@@ -78,12 +78,13 @@ class DynamicExecutor:
         self.step_groups = [sorted({plan.group_of[name] for name in step.buffer_names()
                                     if name in plan.group_of}) for step in program.steps]
         self.bound = [None] * len(program.steps)
+        self.views = Views(arena)
 
     def _array(self, name, offsets):
         if name in self.persistent_arrays:
             return self.persistent_arrays[name]
         buffer = self.program.buffers[name]
-        return view(self.arena, self.base + offsets[self.plan.group_of[name]], buffer.shape, buffer.dtype)
+        return self.views(self.base + offsets[self.plan.group_of[name]], buffer.shape, buffer.dtype)
 
     def _arrays(self, names, offsets):
         return {name: self._array(name, offsets) for name in names}

@@ -26,16 +26,18 @@ import os
 import numpy as np
 
 from . import blas
-from .backend import get_xp, to_numpy
+from .backend import get_xp, is_gpu, to_numpy
 from .checkpoint import read_npz, save_npz_atomic, with_digest
 from .errors import MinigistError
+from .layers.loss import check_labels
 from .densities import MARGIN
 from .codecs import kernels as codec_kernels
 from .executor import DynamicExecutor, Executor
 from .fillers import fill
+from .gpu.kernels import CounterRNG
 from . import onednn
 from .memory import plan_none
-from .memory.arena import new_arena, view
+from .memory.arena import Views, new_arena
 from .memory.available import check_fits
 from .memory.pool import Pool
 from .memory.report import footprint_report
@@ -123,6 +125,10 @@ class Net:
         if old_arena is not None:
             assert old_persistent == self.persistent_bytes
             self.arena[:old_persistent] = old_arena[:old_persistent]
+            del old_arena
+            if is_gpu(self.xp) and hasattr(self.xp, "get_default_memory_pool"):
+                # CuPy's pool would keep the old arena cached, held from the device for good
+                self.xp.get_default_memory_pool().free_all_blocks()
 
     def set_memory_budget(self, budget):
         """Hold the training plan to `budget` bytes from now on (None: no limit): re-plans and
@@ -200,7 +206,8 @@ class Net:
             check_fits(self.arena_bytes, f"{self.model}: the {alloc} arena (weights, their gradients, momentum "
                                          f"and the per-iteration buffers at batch {self.train_graph.batch_size})")
         self.arena = new_arena(self.xp, self.arena_bytes)
-        self.arrays = {name: view(self.arena, persistent_offsets[name], buffer.shape, buffer.dtype)
+        views = Views(self.arena)      # one object per buffer place and form (in-place steps)
+        self.arrays = {name: views(persistent_offsets[name], buffer.shape, buffer.dtype)
                        for name, buffer in persistent.items()}
         self.executors = {}
         if alloc == "dynamic":
@@ -216,7 +223,7 @@ class Net:
         for key, program in self.programs.items():
             plan = self.plans[key]
             arrays = {name: self.arrays[name] if buffer.persistent else
-                      view(self.arena, self.persistent_bytes + plan.offset(name), buffer.shape, buffer.dtype)
+                      views(self.persistent_bytes + plan.offset(name), buffer.shape, buffer.dtype)
                       for name, buffer in program.buffers.items()}
             self.executors[key] = Executor(program, arrays, self.xp, self.solver, self.stats)
 
@@ -228,7 +235,9 @@ class Net:
     def _make_rng(self, seed):
         if self.xp is np:
             return np.random.default_rng(seed)
-        return self.xp.random.default_rng(seed)
+        # Dropout's masks on the GPU: a counter-based stream drawn inside its kernel, whose
+        # state (two integers) a checkpoint keeps (minigist/gpu/kernels.py)
+        return CounterRNG(seed)
 
     def _param_layers(self):
         """Every layer with parameters, each name once, TRAIN graph first."""
@@ -261,11 +270,31 @@ class Net:
             if tuple(np.shape(value)) != want:
                 raise MinigistError(f"input '{top}' must have shape {want}, got {tuple(np.shape(value))}")
 
+        labels = self._label_tops(graph)
+        for top, value in zip(tops, inputs):
+            if top in labels:      # checked here, on the host: a check on the device is a sync
+                check_labels(value, labels[top])
+        device = is_gpu(self.xp)
+
         def feed(arrays):
             for top, value in zip(tops, inputs):
                 target = arrays[f"blob:{top}"]
-                target[...] = self.xp.asarray(value, dtype=target.dtype)
+                if device:   # one host-to-device copy into the arena (no device temporary)
+                    target.set(np.ascontiguousarray(to_numpy(value), dtype=target.dtype))
+                else:
+                    target[...] = self.xp.asarray(value, dtype=target.dtype)
         return feed
+
+    @staticmethod
+    def _label_tops(graph):
+        """{input top: (the loss or accuracy layer reading it as labels)} of `graph`."""
+        tops = {top for node in graph.nodes if node.layer.is_data for top in node.tops}
+        found = {}
+        for node in graph.nodes:
+            layer = node.layer
+            if hasattr(layer, "label_range") and len(node.bottoms) > 1 and node.bottoms[1] in tops:
+                found.setdefault(node.bottoms[1], layer)
+        return found
 
     def _weighted_loss(self, key):
         weights = self.compiled[key].program.loss_weights
@@ -303,7 +332,21 @@ class Net:
             raise MinigistError(f"{self.model}: no loss layer, nothing to train (a deploy file); build the Net "
                                 "with add_loss=True to append a SoftmaxWithLoss on its scores")
         with self._threads():
-            return self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
+            loss = self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
+        self._check_ssdc_fit()
+        return loss
+
+    def _check_ssdc_fit(self):
+        """On the GPU, SSDC's encodes check their capacity on the device; once per step (one host
+        sync) the net asks whether a batch was denser than planned. That step's over-capacity
+        tensors were stored as zeros (counted in the report's ssdc_overflows); the plan is then
+        refitted to what was seen, plus the calibration margin, for the steps after it."""
+        stats = self.stats
+        if stats.counts is None or not stats.overflowed():
+            return
+        planned, seen = dict(self.gist.ssdc_density), stats.density
+        self.set_densities({tensor: min(1.0, max(density, seen.get(tensor, 0.0)) * (1.0 + MARGIN))
+                            for tensor, density in planned.items()})
 
     def evaluate(self, *inputs):
         """TEST-phase forward; returns {output blob: value} for the blobs no layer consumes
@@ -327,6 +370,7 @@ class Net:
         extra["gist"].update({"ssdc_density_planned": dict(config.ssdc_density),
                               "ssdc_density_seen": dict(self.stats.density),
                               "ssdc_fallbacks": self.stats.fallbacks,
+                              "ssdc_overflows": self.stats.overflows,
                               "ssdc_fallback_bytes": self.stats.fallback_bytes})
         report = footprint_report(self.plans["train"], model=self.model,
                                   parameters=self.train_graph.param_count(), extra=extra)

@@ -212,8 +212,10 @@ def rng_state(rng):
 
 
 def set_rng_state(rng, state):
-    """Put back a state rng_state gave (nothing where it gave None)."""
-    if state is not None:
+    """Put back a state rng_state gave (nothing where it gave None, or where it is another kind
+    of generator's: Dropout's stream on a GPU is not numpy's, and a run resumed on the other
+    device draws its masks from its own)."""
+    if state is not None and state.get("bit_generator") == rng.bit_generator.state.get("bit_generator"):
         rng.bit_generator.state = state
 
 

@@ -19,6 +19,7 @@ numpy 2 runs ufuncs with Python-int scalars on a slower path.)
 """
 import numpy as np
 
+from ..gpu import kernels as gpu_kernels
 from ..layers.base import TensorDecl
 from . import kernels
 from .base import Codec
@@ -129,6 +130,13 @@ class BitMask(Codec):
         flat = x.reshape(-1)
         bits, words = enc["bits"], ws["words"]
         is_bool = flat.dtype == np.bool_
+        if gpu_kernels.serves(xp) and (is_bool or flat.dtype == np.float32):
+            reference = (self.encode, (x, enc, ws))
+            if is_bool:
+                gpu_kernels.pack_codes(xp, flat.view(xp.uint8), bits, 1, reference)
+            else:
+                gpu_kernels.pack_positive(xp, flat, bits, reference)
+            return
         if kernels.active(xp, flat, bits):      # one compiled pass (minigist/codecs/kernels.py)
             if is_bool:
                 kernels.pack_codes(flat.view(np.uint8), bits, 1)
@@ -145,6 +153,9 @@ class BitMask(Codec):
 
     def decode(self, xp, enc, out, ws):
         flat = out.reshape(-1)
+        if flat.dtype == np.bool_ and gpu_kernels.serves(xp):
+            gpu_kernels.unpack_codes(xp, enc["bits"], flat.view(xp.uint8), 1, (self.decode, (enc, out, ws)))
+            return
         if flat.dtype == np.bool_ and kernels.active(xp, enc["bits"], flat):
             kernels.unpack_codes(enc["bits"], flat.view(np.uint8), 1)
             return
@@ -195,6 +206,9 @@ class PackedCodes(Codec):
         codes, dst, lanes = x.reshape(-1), enc["codes"], ws["lanes"]
         bits, per = self.bits, self.per
         n = codes.size
+        if codes.dtype == np.uint8 and gpu_kernels.serves(xp):
+            gpu_kernels.pack_codes(xp, codes, dst, bits, (self.encode, (x, enc, ws)))
+            return
         if codes.dtype == np.uint8 and kernels.active(xp, codes, dst):
             kernels.pack_codes(codes, dst, bits)
             return
@@ -223,6 +237,9 @@ class PackedCodes(Codec):
         src, flat, lanes = enc["codes"], out.reshape(-1), ws["lanes"]
         bits, per = self.bits, self.per
         n = flat.size
+        if flat.dtype == np.uint8 and gpu_kernels.serves(xp):
+            gpu_kernels.unpack_codes(xp, src, flat, bits, (self.decode, (enc, out, ws)))
+            return
         if flat.dtype == np.uint8 and kernels.active(xp, src, flat):
             kernels.unpack_codes(src, flat, bits)
             return

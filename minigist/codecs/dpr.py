@@ -31,17 +31,21 @@ Inf / NaN give +-Inf / NaN). For every non-NaN code, encode(decode(code)) == cod
 
 Implementation: integer operations on the float32 bit patterns for normals, and the
 "magic number" addition (x + 2**k rounds x, ties to even, to a multiple of the target's smallest
-subnormal) for the subnormal range; the two are blended with an all-ones mask, without
-branches or `where`. Decode shifts the code into a float32 bit pattern and multiplies by
-2**(127 - bias), which also turns the target's subnormals (float32 denormals at that point) into
-their exact values (this assumes float32 denormals are not flushed to zero: true for numpy and
-for CuPy's default kernels); Inf/NaN exponents and the sign are OR-ed in afterwards, so no
-float operation ever sees a NaN or Inf (no floating-point warnings). Only ufuncs with `out=` into
-declared workspace, chunked (`chunk` elements per step, default CHUNK: small enough to stay in
-a CPU's L2 cache; on a GPU pass a large chunk, e.g. 1 << 24, to save kernel launches).
+subnormal) for the subnormal range (a float32 subnormal x gives the same code whether it is
+flushed to zero or not); the two are blended with an all-ones mask, without branches or
+`where`. Decode builds every value's float32 bit pattern with integer operations: a normal
+code's shifted and rebiased, a subnormal code m's as 2**(1-bias) * (1 + m/2**M) less
+2**(1-bias), a subtraction of normal floats with a normal (or zero) result. No float32
+subnormal is read or written on either side, so the bytes are the same where the hardware
+flushes them to zero (CUDA compiles CuPy's kernels with -ftz=true; CPUs in FTZ/DAZ mode).
+Inf/NaN exponents and the sign are OR-ed in afterwards, so no float operation ever sees a NaN
+or Inf (no floating-point warnings). Only ufuncs with `out=` into declared workspace, chunked
+(`chunk` elements per step, default CHUNK: small enough to stay in a CPU's L2 cache); on a GPU
+minigist/gpu/kernels.py runs the same arithmetic as one kernel per tensor.
 """
 import numpy as np
 
+from ..gpu import kernels as gpu_kernels
 from ..layers.base import TensorDecl
 from . import kernels
 from .base import Codec
@@ -106,7 +110,9 @@ class DPR(Codec):
             self.special = self.inf_code                   # codes >= this are Inf/NaN
         else:                                              # E4M3FN: S.1111.111 is NaN
             self.clamp = self.special = self.abs_mask
-        self.scale = np.float32(2.0 ** (127 - bias))
+        self.rebias = adj
+        # the float32 bits of the smallest Inf/NaN code after the shift and rebias in decode
+        self.special_bits = (self.special << self.shift) + adj
 
     # ---- sizes --------------------------------------------------------------------------
     def encoded(self, shape):
@@ -142,6 +148,9 @@ class DPR(Codec):
     def encode_flat(self, xp, src, codes, ws):
         """Encode the 1-D float32 array src into the first code_units(len(src)) units of codes;
         for fp10 the unused slots of the last word are 0."""
+        if gpu_kernels.serves(xp):
+            gpu_kernels.dpr_encode(xp, self, src, codes, (self.encode_flat, (src, codes, ws)))
+            return
         if kernels.active(xp, src, codes):
             kernels.dpr_encode_flat(src.view(xp.uint32), codes, kernels.dpr_params(self), self.per)
             return
@@ -163,6 +172,9 @@ class DPR(Codec):
 
     def decode_flat(self, xp, codes, out, ws):
         """Decode len(out) values from the start of codes into the 1-D float32 array out."""
+        if gpu_kernels.serves(xp):
+            gpu_kernels.dpr_decode(xp, self, codes, out, (self.decode_flat, (codes, out, ws)))
+            return
         if kernels.active(xp, codes, out):
             kernels.dpr_decode_flat(codes, out.view(xp.uint32), kernels.dpr_params(self), self.per)
             return
@@ -223,22 +235,34 @@ class DPR(Codec):
         xp.bitwise_or(v, t, out=v)
 
     def _decode_core(self, xp, code, out, t):
-        """code: codes (uint8/uint16/uint32); out: float32 result; t: uint32 scratch."""
+        """code: codes (uint8/uint16/uint32); out: float32 result; t: uint32 scratch.
+
+        Integer arithmetic on the float32 bit pattern, and one float subtraction whose operands
+        and result are normal floats or +0: no float32 subnormal is ever read or written, so a
+        device that flushes them (CUDA's -ftz=true, CPUs in FTZ/DAZ mode) decodes the same."""
         ctype = code.dtype.type
         w = out.view(xp.uint32)
-        xp.bitwise_and(code, ctype(self.abs_mask), out=w)
         ti = t.view(xp.int32)
-        xp.subtract(I32(self.special - 1), w.view(xp.int32), out=ti)   # < 0 for Inf/NaN
+        xp.bitwise_and(code, ctype(self.abs_mask), out=w)             # |code|
+        xp.subtract(w.view(xp.int32), I32(1 << self.M), out=ti)      # < 0: a subnormal code (or 0)
+        xp.right_shift(ti, I32(31), out=ti)                           # all ones there
+        xp.bitwise_and(t, U32(1 << 23), out=t)
+        xp.left_shift(w, U32(self.shift), out=w)
+        xp.add(w, U32(self.rebias), out=w)                            # normals: rebias the exponent
+        # a subnormal code m: the bits of 2**(1-bias) * (1 + m / 2**M), the smallest normal's
+        # binade, from which 2**(1-bias) is subtracted below (exact: Sterbenz), leaving
+        # m * 2**(1-bias-M); elsewhere 0.0 is subtracted, which changes nothing
+        xp.bitwise_or(w, t, out=w)
+        xp.multiply(t, U32(128 - self.bias), out=t)                   # the bits of 2**(1-bias), or 0
+        xp.subtract(out, t.view(xp.float32), out=out)
+        # Inf/NaN codes (exponent all ones): float32 exponent all ones, mantissa kept
+        xp.subtract(I32(self.special_bits - 1), w.view(xp.int32), out=ti)
         xp.right_shift(ti, I32(31), out=ti)
         xp.bitwise_and(t, U32(0x7F800000), out=t)
-        xp.left_shift(w, U32(self.shift), out=w)
-        # rebias: exact, subnormals included (they are float32 denormals here); the operand is
-        # always finite and positive, so no floating-point flags are raised
-        xp.multiply(out, self.scale, out=out)
-        xp.bitwise_or(w, t, out=w)                         # Inf/NaN: float32 exponent all ones
+        xp.bitwise_or(w, t, out=w)
         xp.right_shift(code, ctype(self.E + self.M), out=t)
         xp.left_shift(t, U32(31), out=t)
-        xp.bitwise_or(w, t, out=w)                         # sign
+        xp.bitwise_or(w, t, out=w)                                    # sign
 
 
 class HalfStash(DPR):

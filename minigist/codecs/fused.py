@@ -5,6 +5,7 @@ tells both backward passes what they need (see FusedReluPool).
 """
 import numpy as np
 
+from ..gpu import kernels as gpu_kernels
 from ..layers.base import TensorDecl
 from . import kernels
 from .base import Codec
@@ -42,6 +43,11 @@ class FusedReluPool(Codec):
     def encode(self, xp, x, enc, ws):
         argmax, pool_out = x
         codes, positive = ws["codes"], ws["positive"]
+        if argmax.dtype == np.uint8 and pool_out.dtype == np.float32 and self.packed.bits == 4 \
+                and gpu_kernels.serves(xp):     # the codes and their packing in one pass
+            gpu_kernels.relu_pool_pack(xp, argmax.reshape(-1), pool_out.reshape(-1), enc["codes"], self.positions,
+                                       (self.encode, (x, enc, ws)))
+            return
         if argmax.dtype == np.uint8 and kernels.active(xp, argmax, pool_out, codes):
             kernels.relu_pool_codes(argmax.reshape(-1), pool_out.reshape(-1), np.uint8(self.positions),
                                     codes.reshape(-1))

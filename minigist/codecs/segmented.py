@@ -67,6 +67,12 @@ class PerSample(Codec):
             densest = max(densest, density)
         return fitted, densest
 
+    def encode_device(self, xp, x, enc, ws, stats, slot):
+        """The inner codec's encode_device per sample (one stats slot for them all)."""
+        parts = self._parts(enc)
+        for index in range(self.batch):
+            self.inner.encode_device(xp, x[index:index + 1], parts[index], ws, stats, slot)
+
     def decode_slice(self, xp, enc, start, stop, out, ws):
         """Samples [start, stop) into out[:stop - start]."""
         parts = self._parts(enc)

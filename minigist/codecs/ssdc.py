@@ -41,6 +41,7 @@ import math
 
 import numpy as np
 
+from ..gpu import kernels as gpu_kernels
 from ..layers.base import TensorDecl
 from .base import Codec
 from . import kernels
@@ -192,6 +193,7 @@ class SSDC(Codec):
             values = data[h:h + vw].view(self.dpr.code_dtype)
         tail = data[h + vw:]
         return {
+            "tail": tail,
             "values": values,
             "rowptr": tail[:rows + 1].view(xp.int32) if "csr" in self.formats else None,
             "cols": tail[rows + 1:].view(xp.uint8) if "csr" in self.formats else None,
@@ -231,6 +233,18 @@ class SSDC(Codec):
         else:
             nnz = int(xp.count_nonzero(u))
         return self._encode(xp, u, nnz, enc, ws, split, compiled), nnz / max(1, n)
+
+    def encode_device(self, xp, x, enc, ws, stats, slot):
+        """encode without reading anything back (GPU kernels, minigist/gpu/kernels.py): the
+        count, the format and the fit are decided on the device. A tensor denser than the
+        capacity gets the header's format 0 (decode writes zeros) and counts one in
+        stats[2 * slot + 1]; stats[2 * slot] keeps the densest count (int32 device arrays)."""
+        if x.dtype != np.float32:
+            raise TypeError(f"SSDC encodes float32, got {x.dtype}")
+        u = x.reshape(-1).view(xp.uint32)
+        data = enc["data"]
+        gpu_kernels.ssdc_encode(xp, self, u, data, self._views(xp, data, u.size), stats, slot,
+                                (_encode_reference, (self, u, enc, ws, stats, slot)))
 
     def _encode(self, xp, u, nnz, enc, ws, split, compiled):
         n = u.size
@@ -285,6 +299,16 @@ class SSDC(Codec):
     def decode(self, xp, enc, out, ws):
         if out.dtype != np.float32:
             raise TypeError(f"SSDC decodes to float32, got {out.dtype}")
+        if gpu_kernels.serves(xp):
+            o = out.reshape(-1).view(xp.uint32)
+            rows = -(-o.size // ROW)
+            scratch = ws["index"].view(xp.int32)
+            if scratch.size < rows + 1:
+                raise ValueError(f"SSDC: a decode workspace of {scratch.size} int32 holds no row offsets for "
+                                 f"{o.size} elements")
+            gpu_kernels.ssdc_decode(xp, self, enc["data"], self._views(xp, enc["data"], o.size), o, scratch,
+                                    (_decode_reference, (self, enc, out, ws)))
+            return
         fmt, nnz = self.header(enc)
         o = out.reshape(-1).view(xp.uint32)
         n = o.size
@@ -365,3 +389,21 @@ class SSDC(Codec):
         stage = ws["stage"]
         self.dpr.decode_flat(xp, codes[off // per:], stage[:head + m], self._dpr_ws(ws))
         return stage.view(xp.uint32)[head:head + m]
+
+
+def _encode_reference(xp, codec, u, enc, ws, stats, slot):
+    """What ssdc_encode's kernels write, on numpy: encode, or for a tensor over the capacity
+    the header (0, nnz) and one overflow counted."""
+    nnz = int(np.count_nonzero(u))
+    if codec.encode(np, u.view(np.float32), enc, ws) is False:
+        enc["data"][0:2] = (0, nnz)
+        stats[2 * slot + 1] += 1
+    stats[2 * slot] = max(int(stats[2 * slot]), nnz)
+
+
+def _decode_reference(xp, codec, enc, out, ws):
+    """What ssdc_decode's kernels write, on numpy: zeros for a tensor that did not fit."""
+    if int(enc["data"][0]) == 0:
+        out.fill(0)
+    else:
+        codec.decode(np, enc, out, ws)

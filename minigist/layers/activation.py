@@ -4,6 +4,7 @@ forward, and its backward's mask and product, run as one compiled pass each
 import numpy as np
 
 from .. import jit
+from ..gpu import kernels as gpu_kernels
 from . import fused_kernels
 from .base import Layer, TensorDecl, register
 
@@ -42,6 +43,9 @@ class ReLU(Layer):
 
     def forward(self, xp, x, y, p, saved, ws):
         if self.slope == 0.0:
+            if gpu_kernels.serves(xp) and x[0].dtype == np.float32:
+                gpu_kernels.relu_forward(xp, x[0], y[0], (self.forward, (x, y, p, saved, ws)))
+                return
             if jit.active(xp, x[0], y[0]):   # one compiled pass, the same bytes (2.2x faster)
                 same = fused_kernels.same_memory(x[0], y[0])
                 if same and x[0].dtype == np.float32 and not jit.MASKED_STORES:
@@ -59,6 +63,9 @@ class ReLU(Layer):
         if gx[0] is None:
             return
         mask, y0, gy0, gx0 = ws["mask"], y[0], gy[0], gx[0]
+        if self.slope == 0.0 and gpu_kernels.serves(xp) and gy0.dtype == np.float32:
+            gpu_kernels.relu_backward(xp, y0, gy0, gx0, (self.backward, (x, y, gy, gx, p, gp, saved, ws)))
+            return
         if self.slope == 0.0 and jit.active(xp, y0, gy0, gx0):
             # mask and multiply in one compiled pass (minigist/layers/fused_kernels.py)
             dtype = gy0.dtype.type
@@ -72,6 +79,10 @@ class ReLU(Layer):
         """gx from the positive mask alone (the form Gist's Binarize codec stores). gx may be
         gy itself (in place); the mask is used up (inverted) when negative_slope > 0."""
         if self.slope == 0.0:
+            if gx is not None and gpu_kernels.serves(xp) and gy.dtype == np.float32:
+                gpu_kernels.mask_backward(xp, mask.view(xp.uint8), gy, gx,
+                                          (self.backward_from_mask, (mask, gy, gx, ws)))
+                return
             if gx is not None and jit.active(xp, mask, gy, gx):
                 # the same products as multiply(gy, mask) in one pass: numpy's loop for a
                 # float32 times a bool casts the bools in buffered chunks, 3x slower
@@ -129,7 +140,12 @@ class Dropout(Layer):
             xp.multiply(x[0], self.scale, out=y[0])
             return
         uniform, mask = ws["uniform"], saved["mask"]
-        self.rng.random(out=uniform, dtype=uniform.dtype)
+        if gpu_kernels.serves(xp) and x[0].dtype == np.float32:
+            # drawn inside the kernel (CuPy's Generator.random(out=...) without size drew one
+            # number for the whole mask, and its own array every call)
+            gpu_kernels.dropout_forward(xp, x[0], y[0], mask, self.ratio, self.scale, self.rng)
+            return
+        self.rng.random(uniform.shape, dtype=uniform.dtype, out=uniform)
         xp.greater_equal(uniform, self.ratio, out=mask)
         self._apply_mask(xp, x, y, mask)
 

@@ -206,6 +206,14 @@ class Layer:
         return f"<{self.type} {self.name}>"
 
 
+def paired(x, y, view):
+    """(view(x), view(y)) for a reshape or slice `view`: one object when x is y (an in-place
+    step), since CuPy copies a ufunc input that overlaps the output without being the same
+    object (a temporary outside the arena); numpy reads either way alike."""
+    vx = view(x)
+    return vx, (vx if y is x else view(y))
+
+
 def expect_int_list(layer, values, what, count):
     """Expand Caffe's repeated-or-single field (kernel_size: 3 -> [3, 3])."""
     values = list(values)

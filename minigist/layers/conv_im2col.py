@@ -41,6 +41,7 @@ import numpy as np
 from .. import jit
 from . import fused_kernels
 from .base import TensorDecl
+from .gemm import matmul
 from .conv_geometry import (chunk_samples, col_elems, frame_hw, gw_rows, gy_pad, gy_pass, overlap,
                             padded_hw, x_pass)
 
@@ -294,7 +295,7 @@ class Im2colEngine:
                     gyc = _staged(xp, stage, gyc)
                 if gw is not None:
                     xc = x0[n0:n0 + b].reshape(b, g, c // g, pix)
-                    xp.matmul(gyc, xc.transpose(0, 1, 3, 2), out=gwn[:b])
+                    matmul(xp, gyc, xc.transpose(0, 1, 3, 2), gwn[:b])
                     if n0 == 0:
                         xp.sum(gwn[:b], axis=0, out=gw3)
                     else:
@@ -302,7 +303,7 @@ class Im2colEngine:
                         xp.sum(gwn[:b], axis=0, out=partial)
                         xp.add(gw3, partial, out=gw3)
                 if gx0 is not None:
-                    xp.matmul(weight.transpose(0, 2, 1), gyc, out=gx0[n0:n0 + b].reshape(b, g, c // g, pix))
+                    matmul(xp, weight.transpose(0, 2, 1), gyc, gx0[n0:n0 + b].reshape(b, g, c // g, pix))
             return
 
         geom = layer.geometry
@@ -340,20 +341,20 @@ class Im2colEngine:
                 colsT = cols3.transpose(0, 2, 1)
                 if "gwt" in ws:
                     gwt = ws["gwt"]
-                    xp.matmul(cols3, gyf.transpose(0, 2, 1), out=gwt)
+                    matmul(xp, cols3, gyf.transpose(0, 2, 1), gwt)
                     if n0 == 0:
                         xp.copyto(gw3, gwt.transpose(0, 2, 1))
                     else:
                         xp.add(gw3, gwt.transpose(0, 2, 1), out=gw3)
                 elif n0 == 0:
-                    xp.matmul(gyf, colsT, out=gw3)
+                    matmul(xp, gyf, colsT, gw3)
                 else:   # added in by blocks of output rows
                     rows = gwsum.shape[1]
                     for r0 in range(0, o // g, rows):
                         # a contiguous (g, r, K) front of the workspace, also for a short last block
                         r = min(rows, o // g - r0)
                         part = gwsum.reshape(-1)[:g * r * layer.cols].reshape(g, r, layer.cols)
-                        xp.matmul(gyf[:, r0:r0 + rows], colsT, out=part)
+                        matmul(xp, gyf[:, r0:r0 + rows], colsT, part)
                         xp.add(gw3[:, r0:r0 + rows], part, out=gw3[:, r0:r0 + rows])
             if gx0 is None:
                 continue
@@ -373,7 +374,7 @@ class Im2colEngine:
             else:
                 # columns W^T gy, scattered back with one strided add per kernel offset
                 cols = col[:c * kh * kw * width].reshape(g, layer.cols, width)
-                xp.matmul(weight.transpose(0, 2, 1), gyf, out=cols)
+                matmul(xp, weight.transpose(0, 2, 1), gyf, cols)
                 cols = cols.reshape(c, kh, kw, b, oh, wc)
                 if layer.pad != (0, 0):
                     target = ws["gxpad"][:b]

@@ -50,6 +50,11 @@ class Softmax(Layer):
         gx3 *= y3
 
 
+def check_labels(labels, layer):
+    """The label check of `layer` (a loss or accuracy layer) on a batch's host labels."""
+    layer.label_range(np.asarray(labels).reshape(layer.outer, layer.inner))
+
+
 class _LabelLayer(Layer):
     """Shared checks for layers with (scores, labels) bottoms."""
     num_bottoms = (2, 2)
@@ -65,13 +70,22 @@ class _LabelLayer(Layer):
     def propagates_down(self, index):
         return index == 0
 
-    def labels(self, xp, label_blob):
-        """Labels as (outer, inner) integers, checked against the class count."""
-        labels = label_blob.reshape(self.outer, self.inner).astype(np.int64)
+    def label_range(self, labels):
+        """Raise MinigistError unless every label (a numpy array) but the ignored ones is a
+        class index."""
+        labels = np.asarray(labels).astype(np.int64)
         valid = labels if self.ignore_label is None else labels[labels != self.ignore_label]
         if valid.size and (int(valid.min()) < 0 or int(valid.max()) >= self.classes):
             raise MinigistError(f"layer '{self.name}': labels must be in [0, {self.classes}), "
                                 f"got values from {int(valid.min())} to {int(valid.max())}")
+
+    def labels(self, xp, label_blob):
+        """Labels as (outer, inner) integers, checked against the class count on the CPU. On a
+        GPU the check would read the labels back (a host sync per layer and step): there the
+        net checks each batch's labels on the host as it feeds them (check_labels)."""
+        labels = label_blob.reshape(self.outer, self.inner).astype(np.int64)
+        if xp is np:
+            self.label_range(labels)
         return labels
 
     def gather(self, xp, array3, labels):
@@ -111,7 +125,9 @@ class SoftmaxWithLoss(_LabelLayer):
         if self.normalization == "FULL":
             count = self.outer * self.inner
         elif self.normalization == "VALID":
-            count = self.outer * self.inner if self.ignore_label is None else int((labels != self.ignore_label).sum())
+            if self.ignore_label is not None:   # counted on the device: no host sync
+                return xp.maximum((labels != self.ignore_label).sum(), 1).astype(np.float32)
+            count = self.outer * self.inner
         elif self.normalization == "BATCH_SIZE":
             count = self.outer
         else:

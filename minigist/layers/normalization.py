@@ -10,8 +10,9 @@ same bytes).
 import numpy as np
 
 from .. import jit
+from ..gpu import kernels as gpu_kernels
 from . import fused_kernels
-from .base import Layer, TensorDecl, filler_of, register
+from .base import Layer, TensorDecl, filler_of, paired, register
 
 
 def _shape3(shape):
@@ -50,6 +51,33 @@ def _window_sum(xp, src, dst, half, axis=1):
         low, high = dst[head], dst[tail]
         xp.add(low, src[tail], out=low)
         xp.add(high, src[head], out=high)
+
+
+# the numpy code of the GPU kernels' steps (minigist/gpu/kernels.py runs it under the checker)
+def _center_square(xp, xc, mean, yc, sq):
+    xp.subtract(xc, mean[:, None], out=yc)
+    xp.multiply(yc, yc, out=sq)
+
+
+def _scale_channels(xp, yc, scale):
+    xp.multiply(yc, scale[:, None], out=yc)
+
+
+def _product(xp, gyc, yc, pc):
+    xp.multiply(gyc, yc, out=pc)
+
+
+def _input_grad(xp, gyc, yc, mean_gy_y, mean_gy, inv_std, gxc, product):
+    pc = product[:yc.shape[0]]
+    xp.multiply(yc, mean_gy_y[:, None], out=pc)
+    xp.subtract(gyc, pc, out=gxc)
+    xp.subtract(gxc, mean_gy[:, None], out=gxc)
+    xp.multiply(gxc, inv_std[:, None], out=gxc)
+
+
+def _scale_grads(xp, gyc, xc, scale, pc, gxc):
+    xp.multiply(gyc, xc, out=pc)
+    xp.multiply(gyc, scale, out=gxc)
 
 
 @register
@@ -160,8 +188,7 @@ class BatchNorm(Layer):
         workspace, free by then.
         update_running=False leaves the running sums as they are (a recomputation's replay:
         they were updated once, by the forward pass)."""
-        x3 = x[0].reshape(self.shape3)
-        y3 = y[0].reshape(self.shape3)
+        x3, y3 = paired(x[0], y[0], lambda a: a.reshape(self.shape3))
         if self.use_global:
             if emit is not None:
                 raise ValueError(f"{self.name}: with use_global_stats BatchNorm emits no slices")
@@ -181,9 +208,11 @@ class BatchNorm(Layer):
         xp.divide(mean, m, out=mean)
         var = saved["inv_std"]
         for n0 in starts:
-            xc, yc = x3[n0:n0 + chunk], y3[n0:n0 + chunk]
+            xc, yc = paired(x3, y3, lambda a: a[n0:n0 + chunk])
             sq = square[:yc.shape[0]]
-            if jit.active(xp, xc, yc, sq, mean):
+            if gpu_kernels.serves(xp):
+                gpu_kernels.bn_center_square(xp, xc, mean, yc, sq, (_center_square, (xc, mean, yc, sq)))
+            elif jit.active(xp, xc, yc, sq, mean):
                 fused_kernels.center_square(xc, mean, yc, sq, fused_kernels.same_memory(xc, yc))
             else:
                 xp.subtract(xc, mean[:, None], out=yc)     # y may be x: read first
@@ -191,7 +220,7 @@ class BatchNorm(Layer):
             self._channel_sum(xp, sq, var, part, n0 == 0, ws)
         xp.divide(var, m, out=var)
         if update_running:
-            self._update_running(p, mean, var, m)
+            self._update_running(xp, p, mean, var, m, sums[2])
         inv_std = var
         xp.add(var, self.eps, out=inv_std)
         xp.sqrt(inv_std, out=inv_std)
@@ -201,27 +230,29 @@ class BatchNorm(Layer):
             yc = y3[n0:n0 + chunk]
             if emit is not None:
                 emit(n0, n0 + yc.shape[0], inv_std, square[:yc.shape[0]])
+            elif gpu_kernels.serves(xp):
+                gpu_kernels.scale_channels(xp, yc, inv_std, (_scale_channels, (yc, inv_std)))
             elif scale_compiled:
                 fused_kernels.scale_channels(yc, inv_std)
             else:
                 xp.multiply(yc, inv_std[:, None], out=yc)
 
-    def _update_running(self, p, mean, var, m):
+    def _update_running(self, xp, p, mean, var, m, scratch):
         """The running sums, exactly as Caffe: s = s*maf + 1, mean = mean*maf + mean_b,
-        variance = variance*maf + var_b * m/(m-1)."""
+        variance = variance*maf + var_b * m/(m-1); `scratch` (C,) takes the last product."""
         p[2] *= self.maf
         p[2] += 1
         p[0] *= self.maf
         p[0] += mean
         correction = m / (m - 1) if m > 1 else 1.0
         p[1] *= self.maf
-        p[1] += var * correction
+        xp.multiply(var, correction, out=scratch)
+        p[1] += scratch
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
             return
-        gy3 = gy[0].reshape(self.shape3)
-        gx3 = gx[0].reshape(self.shape3)
+        gy3, gx3 = paired(gy[0], gx[0], lambda a: a.reshape(self.shape3))
         if self.use_global:
             _, inv_std = self._global_stats(xp, p)
             xp.multiply(gy3, inv_std[:, None], out=gx3)
@@ -241,7 +272,9 @@ class BatchNorm(Layer):
             yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
             gyc = gy3[n0:n0 + chunk]
             pc = product[:yc.shape[0]]
-            if half and jit.active(xp, gyc, yc, pc):
+            if gpu_kernels.serves(xp):
+                gpu_kernels.product(xp, gyc, yc, pc, (_product, (gyc, yc, pc)))
+            elif half and jit.active(xp, gyc, yc, pc):
                 fused_kernels.product(gyc.reshape(-1), yc.reshape(-1).view(np.uint16), pc.reshape(-1))
             else:
                 xp.multiply(gyc, yc, out=pc)
@@ -252,7 +285,11 @@ class BatchNorm(Layer):
         inv_std = saved["inv_std"]
         for n0 in starts:
             yc = y[0][n0:n0 + chunk].reshape((-1, c, s))
-            gyc, gxc = gy3[n0:n0 + chunk], gx3[n0:n0 + chunk]
+            gyc, gxc = paired(gy3, gx3, lambda a: a[n0:n0 + chunk])
+            if gpu_kernels.serves(xp):
+                gpu_kernels.bn_input_grad(xp, gyc, yc, mean_gy_y, mean_gy, inv_std, gxc,
+                                          (_input_grad, (gyc, yc, mean_gy_y, mean_gy, inv_std, gxc, product)))
+                continue
             if jit.active(xp, gyc, yc, gxc, mean_gy_y, mean_gy, inv_std):
                 fused_kernels.batchnorm_input_grad(gyc, yc.view(np.uint16) if half else yc, mean_gy_y, mean_gy,
                                                    inv_std, gxc, fused_kernels.same_memory(gyc, gxc))
@@ -341,8 +378,11 @@ class Scale(Layer):
 
     def forward(self, xp, x, y, p, saved, ws):
         if self.bias_term:
-            x3, y3 = x[0].reshape(self.shape3), y[0].reshape(self.shape3)
+            x3, y3 = paired(x[0], y[0], lambda a: a.reshape(self.shape3))
             scale, bias = p[0].reshape(-1), p[1].reshape(-1)
+            if gpu_kernels.serves(xp):
+                gpu_kernels.scale_bias(xp, x3, scale, bias, y3, (self.forward, (x, y, p, saved, ws)))
+                return
             if jit.active(xp, x3, y3, scale, bias):
                 fused_kernels.scale_bias(x3, scale, bias, y3, fused_kernels.same_memory(x3, y3))
                 return
@@ -352,7 +392,10 @@ class Scale(Layer):
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         outer, count, inner = self.shape3
-        gy3 = gy[0].reshape(self.shape3)
+        if gx[0] is not None:
+            gy3, gx3 = paired(gy[0], gx[0], lambda a: a.reshape(self.shape3))
+        else:
+            gy3, gx3 = gy[0].reshape(self.shape3), None
         gscale = gp[0].reshape(-1) if gp[0] is not None else None
         gbias = gp[1].reshape(-1) if self.bias_term and gp[1] is not None else None
         if gscale is not None:
@@ -370,16 +413,20 @@ class Scale(Layer):
         product, part = ws["product"], ws["part"]
         chunk = product.shape[0]
         scale = p[0].reshape((1, count, 1))
-        gx3 = gx[0].reshape(self.shape3) if gx[0] is not None else None
         # streamed: outer is the batch axis, and x may be a stash decoded a chunk at a time
         source = x[0] if self.stream_chunk() else x[0].reshape(self.shape3)
         for n0 in range(0, outer, chunk):
             xc = source[n0:n0 + chunk].reshape((-1, count, inner))
-            gyc = gy3[n0:n0 + chunk]
+            if gx3 is not None:
+                gyc, gxc = paired(gy3, gx3, lambda a: a[n0:n0 + chunk])
+            else:
+                gyc, gxc = gy3[n0:n0 + chunk], None
             pc = product[:xc.shape[0]]
-            gxc = gx3[n0:n0 + chunk] if gx3 is not None else None
             fused = gxc is not None and jit.active(xp, gyc, xc, pc, gxc, p[0])
-            if fused:   # the product and gx in one pass: gx (which may be gy) after gy is read
+            if gxc is not None and gpu_kernels.serves(xp):
+                gpu_kernels.scale_grads(xp, gyc, xc, p[0].reshape(-1), pc, gxc, (_scale_grads, (gyc, xc, scale, pc, gxc)))
+                fused = True
+            elif fused:   # the product and gx in one pass: gx (which may be gy) after gy is read
                 bits = xc.view(np.uint16) if xc.dtype == np.float16 else xc   # Gist's fp16 stash
                 fused_kernels.scale_grads(gyc, bits, p[0].reshape(-1), pc, gxc, fused_kernels.same_memory(gyc, gxc))
             else:
@@ -481,21 +528,19 @@ class LRN(Layer):
     def forward(self, xp, x, y, p, saved, ws):
         n = self.shape3[0]
         chunk = ws["scale"].shape[0]
-        y3 = y[0].reshape(self.shape3)
-        x3 = x[0].reshape(self.shape3)
+        x3, y3 = paired(x[0], y[0], lambda a: a.reshape(self.shape3))
         for n0 in range(0, n, chunk):
             xc = x3[n0:n0 + chunk]
             scale, _ = self._scale(xp, xc, ws["square"], ws["scale"])
             xp.power(scale, -self.beta, out=scale)
-            xp.multiply(xc, scale, out=y3[n0:n0 + chunk])
+            xp.multiply(xc, scale, out=paired(x3, y3, lambda a: a[n0:n0 + chunk])[1])
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:
             return
         n, c, inner = self.shape3
         chunk = ws["scale"].shape[0]
-        gy3 = gy[0].reshape(self.shape3)
-        gx3 = gx[0].reshape(self.shape3)
+        gy3, gx3 = paired(gy[0], gx[0], lambda a: a.reshape(self.shape3))
         factor = -2.0 * self.alpha * self.beta / self.count
         for n0 in range(0, n, chunk):
             xc = x[0][n0:n0 + chunk].reshape((-1, c, inner))     # x may be a chunk-wise decoded stash

@@ -26,6 +26,7 @@ gradient); so does this layer. Caffe's AVE divides 0 by a pool size <= 0 there (
 import numpy as np
 
 from .. import jit
+from ..gpu import kernels as gpu_kernels
 from ..errors import ModelFileError
 from . import pool_kernels
 from .base import Layer, TensorDecl, register
@@ -229,6 +230,10 @@ class Pooling(Layer):
                 xp.sum(x3, axis=2, out=y2)
                 xp.divide(y2, h * w, out=y2)
             return
+        if self.method == "MAX" and gpu_kernels.serves(xp) and saved["argmax"].dtype == np.uint8 \
+                and x0.dtype == np.float32:
+            gpu_kernels.max_forward(xp, self, x0, y0, saved["argmax"], (self.forward, (x, y, p, saved, ws)))
+            return
         if self.method == "MAX" and jit.active(xp, x0, y0, saved["argmax"]):
             (ph, pw), (sh, sw), (kh, kw) = self.pad, self.stride, self.kernel
             dtype = y0.dtype.type
@@ -320,6 +325,9 @@ class Pooling(Layer):
             positions = xp.arange(h * w, dtype=index.dtype if fits else np.int64)
             xp.equal(index.reshape(n, c, 1), positions, out=mask)
             xp.multiply(gy.reshape(n, c, 1), mask, out=gx.reshape(n, c, h * w))
+            return
+        if gpu_kernels.serves(xp) and index.dtype == np.uint8 and gy.dtype == np.float32:
+            gpu_kernels.max_backward(xp, self, index, gy, gx, (self.backward_from_index, (index, gy, gx, ws)))
             return
         if jit.active(xp, index, gy, gx):
             (ph, pw), (sh, sw), (kh, kw) = self.pad, self.stride, self.kernel

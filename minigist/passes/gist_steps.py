@@ -15,7 +15,10 @@ is the run's GistStats, which the encode steps report to.
 - StreamedBackward: a backward that reads a stash encoded per sample, one batch slice at a
   time, decoding each slice as it is read.
 """
+import numpy as np
+
 from ..executor import arrays_for
+from ..gpu import kernels as gpu_kernels
 
 
 class GistStats:
@@ -24,14 +27,59 @@ class GistStats:
     planned memory until its decode, so nothing is corrupted; each case is counted)."""
 
     def __init__(self):
-        self.density = {}
+        self._density = {}
         self.fallbacks = 0
         self.fallback_bytes = 0
         self.fallback_tensors = set()
+        self.overflows = 0
         self._kept = {}
+        # the GPU's own record (SSDC.encode_device): per slot, the densest count and the
+        # overflows, int32 on the device, read back only when asked (a sync)
+        self.counts = None
+        self.slots = []          # (tensor, elements counted per encode) per slot
+        self._xp = None
 
     def record_density(self, tensor, density):
-        self.density[tensor] = max(self.density.get(tensor, 0.0), float(density))
+        self._density[tensor] = max(self._density.get(tensor, 0.0), float(density))
+
+    @property
+    def density(self):
+        """{tensor: the densest fraction of non-zeros its encodes saw} (reads the device's
+        counts back, where SSDC runs on the GPU)."""
+        self.collect()
+        return self._density
+
+    def device_slot(self, xp, tensor, elements):
+        """The slot of `tensor` in the device counts (made, or grown, when steps are bound)."""
+        if (tensor, elements) in self.slots:
+            return self.slots.index((tensor, elements))
+        self.slots.append((tensor, elements))
+        grown = xp.zeros(2 * len(self.slots), dtype=np.int32)
+        if self.counts is not None:
+            grown[:self.counts.size] = self.counts
+        self.counts, self._xp = grown, xp
+        return len(self.slots) - 1
+
+    def overflowed(self):
+        """Whether an SSDC encode on the device found a tensor denser than its capacity since
+        the last call (one host sync); the counts are collected then."""
+        if self.counts is None or not int(self.counts[1::2].sum()):
+            return False
+        self.collect()
+        return True
+
+    def collect(self):
+        """Fold the device counts into density / overflows and clear them (a host sync)."""
+        if self.counts is None:
+            return
+        host = self.counts.get() if hasattr(self.counts, "get") else np.array(self.counts)
+        for slot, (tensor, elements) in enumerate(self.slots):
+            if host[2 * slot] or host[2 * slot + 1]:
+                self.record_density(tensor, host[2 * slot] / max(1, elements))
+            if host[2 * slot + 1]:
+                self.overflows += int(host[2 * slot + 1])
+                self.fallback_tensors.add(tensor)
+        self.counts.fill(0)
 
     def fallback(self, tensor, x):
         self.fallbacks += 1
@@ -86,6 +134,12 @@ class Encode(_CodecStep):
         codec, tensor = self.codec, self.tensor
         inputs = arrays_for(arrays, step.args["x"])
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)
+
+        if codec.data_dependent and gpu_kernels.serves(xp):
+            # counted and checked on the device: no host sync per tensor (GistStats.overflowed)
+            elements = (x.size // codec.batch) if hasattr(codec, "batch") else x.size
+            slot = stats.device_slot(xp, tensor, elements)
+            return lambda: codec.encode_device(xp, x, enc, ws, stats.counts, slot)
 
         def encode():
             stats.drop_fallback(tensor)
