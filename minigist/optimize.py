@@ -547,8 +547,22 @@ class Optimizer:
         return self._plan(choice, compile(self.model, self.options_for(choice)), budget)
 
     def _learn(self, choice, plan):
-        """Carry the model's error at `choice`, step by step, into the next solves."""
-        self.correction = self.correction + self._residual(choice, plan.compiled)
+        """Carry the model's error at `choice`, step by step, into the next solves: from now
+        on the correction at each step is at least the compiled plan's bytes less the model's
+        (without correction) there, so that the model at `choice` is never below the exact
+        plan and a choice that missed the budget is not chosen again. (Adding the error to the
+        correction instead counted the correction in force twice: where it was negative, in
+        place pairs the model cannot see, the model stayed below the plan after learning and
+        the same choice came back every round.)"""
+        self.correction = np.maximum(self.correction, self._residual(choice, plan.compiled))
+
+    def _unplaced(self, plan):
+        """Bytes of the exact footprint above the most bytes live at one step (or the
+        evaluation program's need): what the static planner could not pack, which the model,
+        counting live bytes, cannot see."""
+        compiled = plan.compiled.plan
+        live = max(int(live_by_step(compiled).max()), compiled.persistent_bytes + self.eval_transient)
+        return max(0, plan.footprint_bytes - live)
 
     def fit(self, budget):
         """The plan of least predicted time whose exact footprint fits `budget` bytes; a
@@ -565,9 +579,7 @@ class Optimizer:
             if plan.footprint_bytes <= budget:
                 return plan
             self._learn(choice, plan)
-            # the model's error moves with the choice (codes whose neighbours changed): ask the
-            # next solve for what this one missed by, on top of the correction
-            margin += plan.footprint_bytes - budget
+            margin = max(margin, self._unplaced(plan))
         smallest = self.smallest()
         if smallest.footprint_bytes <= budget:
             smallest.budget_bytes = budget
