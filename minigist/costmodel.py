@@ -5,10 +5,12 @@ Two kinds, and the report names which one a plan was made with:
 - `FlopModel` (plan-only): a step takes flops / GEMM rate + bytes / memory bandwidth, where
   flops are a convolution's or an inner product's multiply-adds (twice: one multiply, one
   add; a backward step counts the input gradient and the weight gradient it computes) and
-  bytes are the sizes of every buffer the step names (each once). The two rates come from a
-  micro-benchmark of about a second on this machine (`measure_rates`): a float32 GEMM of the
-  shape a convolution's im2col product has, and a copy of an array much larger than the
-  caches. A replay (passes/recompute.py) costs what its forward step costs.
+  bytes are the sizes of every buffer the step names (each once). The two rates are the
+  reference ones (`reference_model`: fixed, so that a plan does not depend on the machine or
+  its load) or come from a micro-benchmark of about a second on this machine
+  (`measure_rates`): a float32 GEMM of the shape a convolution's im2col product has, and a
+  copy of an array much larger than the caches. A replay (passes/recompute.py) costs what its
+  forward step costs.
 - `MeasuredModel` (a training run): the times of the steps measured on this machine by a
   short profiling run (`profile`: a few iterations of the programs the optimizer chooses
   from, each step timed on its own, the median kept), looked up by what the step runs; a
@@ -60,13 +62,23 @@ def signature(step):
     return kind, name, op
 
 
+# The reference rates: what measure_rates found, with one BLAS thread, on the machine the
+# README's figures come from (a 2-core AMD EPYC with AVX-512). A plan-only run takes them unless
+# asked to measure: the same model file and budget then give the same plan on every machine and
+# every run (a measurement moves with the machine's load, and decisions near a tie with it).
+REFERENCE_GEMM_FLOPS = 75e9
+REFERENCE_BANDWIDTH = 34e9
+
+
 class FlopModel:
-    """Step time = flops / gemm_flops + bytes / bandwidth (both per second)."""
+    """Step time = flops / gemm_flops + bytes / bandwidth (both per second); `source` says
+    where the rates come from ("reference", "measured" or "given")."""
     kind = "flops"
 
-    def __init__(self, gemm_flops, bandwidth):
+    def __init__(self, gemm_flops, bandwidth, source="given"):
         self.gemm_flops = float(gemm_flops)
         self.bandwidth = float(bandwidth)
+        self.source = source
 
     def step_seconds(self, step, program):
         return step_flops(step) / self.gemm_flops + step_bytes(step, program.buffers) / self.bandwidth
@@ -79,11 +91,13 @@ class FlopModel:
         return nbytes / self.bandwidth
 
     def describe(self):
-        return (f"flops: FLOPs and bytes at this machine's measured GEMM rate {self.gemm_flops / 1e9:.1f} GFLOP/s "
+        where = {"reference": "the reference", "measured": "this machine's measured"}.get(self.source, "the given")
+        return (f"flops: FLOPs and bytes at {where} GEMM rate {self.gemm_flops / 1e9:.1f} GFLOP/s "
                 f"and memory bandwidth {self.bandwidth / 1e9:.1f} GB/s")
 
     def to_json(self):
-        return {"kind": self.kind, "gemm_flops": self.gemm_flops, "bandwidth_bytes_per_s": self.bandwidth}
+        return {"kind": self.kind, "rates": self.source, "gemm_flops": self.gemm_flops,
+                "bandwidth_bytes_per_s": self.bandwidth}
 
 
 class MeasuredModel:
@@ -161,7 +175,12 @@ def _best_rate(run, work, budget):
 
 def flop_model(seconds=1.0):
     """The FLOP model at this machine's measured rates."""
-    return FlopModel(*measure_rates(seconds))
+    return FlopModel(*measure_rates(seconds), source="measured")
+
+
+def reference_model():
+    """The FLOP model at the reference rates (deterministic: no measurement)."""
+    return FlopModel(REFERENCE_GEMM_FLOPS, REFERENCE_BANDWIDTH, source="reference")
 
 
 def profile(nets, inputs, repeats=3):

@@ -44,9 +44,13 @@ from .program import INPUT, STASH
 KEEP = "fp32"
 RECOMPUTE = "recompute"
 ROUNDS = 5              # compiles of candidate plans per solve, at most
+# replays one segment chains, at most (its own tensor's, then its sources'): a budget is first
+# fitted with short chains (a smaller model, solved in seconds), with long ones only where short
+# ones cannot fit it, and the smallest plan is searched with long ones
+SHORT_CHAIN, LONG_CHAIN = 4, 8
 # the solver's stopping rules, all deterministic (no time limit): a solution within these
 # fractions of the best possible one, or the best found after NODE_LIMIT branch-and-bound nodes
-PEAK_GAP = 1e-3
+PEAK_GAP = 5e-3
 TIME_GAP = 1e-2
 NODE_LIMIT = 3000
 _MIB = float(1 << 20)   # the solver works in MiB
@@ -118,11 +122,23 @@ class _Option:
     whole_decode: bool = False  # decoded whole before its first reader (not slice by slice, not read as fp16)
 
 
+@dataclass(eq=False)
+class _Aux:
+    """A derived 0-1 term of the model: it holds when every term of one of its `groups` holds
+    (a term: a (tensor, option) pair, chosen, or another _Aux); when it holds it adds its
+    intervals of bytes and its seconds."""
+    groups: list
+    intervals: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
 @dataclass
-class _Extra:
-    ands: list                 # [[(tensor, option), ...], ...]: holds when every pair of one group is chosen
-    intervals: list
-    seconds: float
+class _Segment:
+    """One recomputation segment's peak, at step `at`: the bytes modelled live there plus
+    `bytes` for each (term, bytes) of `entries` that holds (the copy a replay writes, its
+    scratch and the private copies it reads)."""
+    at: int
+    entries: list
 
 
 @dataclass
@@ -140,6 +156,7 @@ class _Stash:
     chain_seconds: float = 0.0
     chain_flops: int = 0
     chain_bytes: int = 0      # maps a replay rebuilds on the way (its own, freed when done)
+    in_place: bool = False    # not kept in fp32, its bytes go to its last forward reader's output
 
 
 def _positions(program, base_labels):
@@ -192,6 +209,7 @@ class Optimizer:
         self.baseline_footprint = self._needed(self.base)
         self.stashes = self._stashes()
         self.lossless = compile(model, self.options)
+        self._mark_in_place(self.lossless)
         self._add_codec_options(self.lossless, lossy=False)
         if lossy:
             overrides = {}
@@ -208,12 +226,15 @@ class Optimizer:
                                         overrides=overrides)
         for stash in self.stashes.values():
             self._add_recompute_option(stash)
-        self.extras, self.forbidden = self._interactions()
+        self.chain = None
+        self._use_chain(SHORT_CHAIN)
         # the model is exact where it was measured: start from the lossless rules everywhere
         self.correction = np.zeros(self.steps)
         rules = {t: next((o for o in s.options if o.override is None and not o.recompute), s.options[0])
                  for t, s in self.stashes.items()}
-        self.initial_correction = self._residual(rules, self.lossless)
+        # (where the compiled program holds less than the model, the model keeps its own count:
+        # a saving no option explains may not hold under another choice)
+        self.initial_correction = np.maximum(0.0, self._residual(rules, self.lossless))
         self.correction = self.initial_correction
 
     # ---- the model ----------------------------------------------------------------------
@@ -255,10 +276,26 @@ class Optimizer:
         return stashes
 
     def _freed(self, stash):
-        """The fp32 tensor no longer kept after its last forward use."""
-        if stash.last_forward + 1 > stash.last_reader:
+        """The fp32 tensor no longer kept after its last forward use (from that step on where
+        its last forward reader writes its output over it, in place)."""
+        start = stash.last_forward + (0 if stash.in_place else 1)
+        if start > stash.last_reader:
             return []
-        return [(stash.last_forward + 1, stash.last_reader, -stash.nbytes)]
+        return [(start, stash.last_reader, -stash.nbytes)]
+
+    def _mark_in_place(self, compiled):
+        """Mark each stash whose fp32 bytes the compiled program gives, once encoded, to an
+        output of its last forward reader (an in-place step the unoptimized program cannot
+        take, the tensor being kept): dropped or encoded, the tensor frees its bytes one step
+        earlier."""
+        program, plan = compiled.program, compiled.plan
+        for group in plan.groups:
+            for name in group.members:
+                buffer = program.buffers[name]
+                stash = self.stashes.get(buffer.tensor) if buffer.kind == "blob" else None
+                if stash is not None and name in program.encodings and any(
+                        program.buffers[other].first_use == buffer.last_use for other in group.members if other != name):
+                    stash.in_place = True
 
     def _add_codec_options(self, compiled, lossy, overrides=None):
         """An option per stash that `compiled` encodes (its encoding's buffers and steps), from
@@ -272,7 +309,8 @@ class Optimizer:
             elif buffer.kind == "ws" and buffer.tensor.endswith((".encode", ".decode")):
                 owned.setdefault(buffer.tensor.rsplit(".", 1)[0], []).append(name)
         reverse = {n: t for t, names in owned.items() for n in names}
-        seconds = {}
+        seconds, workspace = {}, {}
+        base = self.base.program
         for index, step in enumerate(program.steps):
             cost = self.cost.step_seconds(step, program)
             if step.kind in ("encode", "decode"):
@@ -280,17 +318,30 @@ class Optimizer:
                 continue
             if step.kind not in ("forward", "backward"):
                 continue
+            at = positions[index]
             readers = {reverse[n] for n in step.buffer_names() if n in reverse}
-            delta = cost - self.step_cost[positions[index]]
+            if step.kind == "backward" and step.label == base.steps[at].label:
+                # a reader whose code another layer's step decodes (a ReLU's mask in its pool's codes)
+                readers |= {base.buffers[n].tensor for n in base.steps[at].buffer_names(("x", "y"))
+                            if n is not None and n in program.encodings and base.buffers[n].tensor in self.stashes}
+            if not readers:
+                continue
+            delta = cost - self.step_cost[at]
+            # a reader of codes may need other workspace than the fp32 reader (a ReLU's
+            # backward from its 1-bit mask needs no byte mask of the tensor)
+            scratch = (sum(align(program.buffers[n].nbytes) for n in set(step.buffer_names(("ws",))) if n not in reverse)
+                       - sum(align(base.buffers[n].nbytes) for n in set(base.steps[at].buffer_names(("ws",)))))
             for tensor in readers:
                 seconds[tensor] = seconds.get(tensor, 0.0) + delta / len(readers)
+                if scratch:
+                    workspace.setdefault(tensor, []).append((at, at, scratch // len(readers)))
         for tensor, stash in self.stashes.items():
             encoding = program.encodings.get(f"blob:{tensor}")
             if encoding is None or encoding.name == "recomputed":
                 continue
             if lossy and (overrides or {}).get(tensor) is None:
                 continue
-            intervals = self._freed(stash)
+            intervals = self._freed(stash) + workspace.get(tensor, [])
             for name in owned.get(tensor, []):
                 buffer = program.buffers[name]
                 intervals.append((positions[buffer.first_use], positions[buffer.last_use], align(buffer.nbytes)))
@@ -339,77 +390,138 @@ class Optimizer:
                     if name != f"blob:{stash.tensor}":
                         scratch += align(program.buffers[name].nbytes)
         stash.chain_bytes = scratch
-        at = stash.first_reader
-        intervals = self._freed(stash) + [(at, stash.last_reader, stash.nbytes)]
-        if scratch:
-            intervals.append((at, at, scratch))
+        intervals = self._freed(stash) + [(stash.first_reader, stash.last_reader, stash.nbytes)]
         stash.options.append(_Option(RECOMPUTE, None, True, intervals, stash.chain_seconds))
 
     def _interactions(self):
-        """What one tensor's choice does to another's, as (extra terms, forbidden pairs).
+        """What one tensor's choice does to another's, as (derived terms, forbidden groups,
+        segment peaks).
 
-        An extra term holds when, for one of its `ands` groups, every (tensor, option) in it is
-        chosen; it adds its intervals of bytes and its seconds:
-        - a tensor recomputed from a source that is recomputed too but rebuilt only later: the
-          replay rebuilds the source on the way (its chain's time, its bytes for the segment);
-        - a source kept encoded and read by a replay: its decoded copy is made before the
-          first replay that reads it, not before its own first reader (and is whole, where its
-          readers would have decoded it slice by slice or read fp16 codes as they are).
-        Forbidden: a recomputed tensor's source in a code that holds no values (a ReLU's 1-bit
-        mask, or its place in a pool's codes): Gist gives a replay's source values."""
-        extras, forbidden = [], []
+        A recomputed tensor T's segment replays T's chain from its sources; a source that is
+        recomputed too but rebuilt only later (its first backward reader comes after T's) is
+        replayed on the way, into a private copy, from its own sources, and so on up to
+        `self.chain` replays deep: a derived term per (T, source reached) says that T's segment
+        replays it (its chain's time again). The segment's peak is modelled replay by replay:
+        the copy a replay writes and its scratch, with the private copies it reads (the pass
+        frees each private copy after its last replay).
+        A source read by a replay of T's segment in a code:
+        - without values (a ReLU's 1-bit mask, its place in a pool's codes): forbidden, Gist
+          gives a replay's source values;
+        - with values: decoded before the first replay that reads it, whole (its own readers
+          may have decoded it slice by slice or read fp16 codes as they are);
+        - fp32 kept, or a copy rebuilt by an earlier segment, whose last backward reader
+          comes before T's segment: it lives on until the segment."""
+        aux, forbidden, segments = [], [], []
         recompute = {t: o for t, s in self.stashes.items() for o in s.options if o.recompute}
-        dependents = {}
+        keep = {t: s.options[0] for t, s in self.stashes.items()}
+        readers = {}            # source -> {T: [terms: T's segment replays a step that reads it]}
         for tensor, stash in self.stashes.items():
             if tensor not in recompute:
                 continue
-            for source in stash.sources:
-                dependents.setdefault(source, []).append(tensor)
-                other = self.stashes[source]
-                if source in recompute and other.first_reader > stash.first_reader:
-                    pair = [(tensor, recompute[tensor]), (source, recompute[source])]
-                    at = stash.first_reader
-                    extras.append(_Extra([pair], [(at, at, other.nbytes + other.chain_bytes)], other.chain_seconds))
-                    for deeper in other.sources:        # no chains of three
-                        if deeper in recompute and self.stashes[deeper].first_reader > stash.first_reader:
-                            forbidden.append(pair + [(deeper, recompute[deeper])])
-        for source, tensors in dependents.items():
+            at = stash.first_reader
+            replays = {tensor: (tensor, recompute[tensor])}    # C -> the term "T's segment replays C"
+            depth, order = {tensor: 1}, [tensor]
+            for node in order:                                   # grows as sources are reached
+                for source in self.stashes[node].sources:
+                    readers.setdefault(source, {}).setdefault(tensor, []).append(replays[node])
+                    other = self.stashes[source]
+                    if source not in recompute or other.first_reader <= at:
+                        continue        # kept, encoded, or rebuilt by an earlier segment
+                    group = [replays[node], (source, recompute[source])]
+                    if depth[node] >= self.chain:
+                        forbidden.append(group)
+                        continue
+                    if source not in replays:
+                        replays[source] = _Aux([], [], other.chain_seconds)
+                        aux.append(replays[source])
+                        depth[source] = depth[node] + 1
+                        order.append(source)
+                    replays[source].groups.append(group)
+            for node in order:
+                own = self.stashes[node]
+                entries = [(replays[node], own.chain_bytes + (own.nbytes if node != tensor else 0))]
+                entries += [(replays[source], self.stashes[source].nbytes) for source in own.sources
+                            if source in replays and source != tensor]
+                segments.append(_Segment(at, [(term, nbytes) for term, nbytes in entries if nbytes]))
+        for source, by_tensor in readers.items():
             other = self.stashes[source]
-            tensors = sorted(tensors, key=lambda t: self.stashes[t].first_reader)
+            tensors = sorted(by_tensor, key=lambda t: (self.stashes[t].first_reader, self.stashes[t].produced))
+            reads = {}
+            for tensor in tensors:
+                terms = by_tensor[tensor]
+                if len(terms) == 1:
+                    reads[tensor] = terms[0]
+                else:           # the segment reads it when any of its replays that read it runs
+                    reads[tensor] = _Aux([[term] for term in terms])
+                    aux.append(reads[tensor])
+            for tensor in tensors:          # a copy or fp32 tensor read past its last reader
+                at = self.stashes[tensor].first_reader
+                if at <= other.last_reader:
+                    continue
+                for option in (keep[source], recompute.get(source)):
+                    if option is not None and (option.name == KEEP or other.first_reader <= at):
+                        aux.append(_Aux([[reads[tensor], (source, option)]], [(other.last_reader + 1, at, other.nbytes)]))
             for option in other.options:
                 if option.recompute or option.name == KEEP:
                     continue
                 if not option.holds_values:
                     for tensor in tensors:
-                        forbidden.append([(tensor, recompute[tensor]), (source, option)])
+                        forbidden.append([reads[tensor], (source, option)])
                     continue
                 end = other.first_reader - 1 if option.whole_decode else other.last_reader
                 if not option.whole_decode:     # one decode step of the whole tensor, where none was
                     encoded = sum(n for _, _, n in option.intervals if n > 0)
-                    extras.append(_Extra([[(t, recompute[t]), (source, option)] for t in tensors], [],
-                                         self.cost.bytes_seconds(other.raw + encoded)))
+                    aux.append(_Aux([[reads[t], (source, option)] for t in tensors], [],
+                                    self.cost.bytes_seconds(other.raw + encoded)))
+                # the decoded copy, made by the first segment that reads it, lives on to `end`:
+                # one term per segment, "made by now", each at least the one before
                 starts = [self.stashes[t].first_reader for t in tensors] + [end + 1]
+                made = None
                 for index, tensor in enumerate(tensors):
                     first, last = starts[index], min(end, starts[index + 1] - 1)
-                    if first > last:
-                        continue
-                    ands = [[(earlier, recompute[earlier]), (source, option)] for earlier in tensors[:index + 1]]
-                    extras.append(_Extra(ands, [(first, last, other.nbytes)], 0.0))
-        return extras, forbidden
+                    groups = [[reads[tensor], (source, option)]] + ([[made]] if made is not None else [])
+                    made = _Aux(groups, [(first, last, other.nbytes)] if first <= last else [])
+                    aux.append(made)
+        return aux, forbidden, segments
 
-    def _holds(self, extra, choice):
-        return any(all(choice[t] is o for t, o in group) for group in extra.ands)
+    def _use_chain(self, depth):
+        """Model recomputation segments of up to `depth` replays."""
+        if depth != self.chain:
+            self.chain = depth
+            self.aux, self.forbidden, self.segments = self._interactions()
+
+    def _values(self, choice):
+        """{id(term): 0 or 1} of every derived term under {tensor: option}."""
+        values = {}
+
+        def holds(term):
+            if isinstance(term, tuple):
+                return choice[term[0]] is term[1]
+            key = id(term)
+            if key not in values:
+                values[key] = any(all(holds(t) for t in group) for group in term.groups)
+            return values[key]
+        for term in self.aux:
+            holds(term)
+        return values
 
     def _curve(self, choice):
-        """The modelled bytes live per step under {tensor: option}."""
+        """The modelled bytes live per step under {tensor: option} (a segment's replays at
+        their step, where they hold more than the step itself)."""
         curve = self.base_live + self.correction
         for option in choice.values():
             for first, last, nbytes in option.intervals:
                 curve[first:last + 1] += nbytes
-        for extra in self.extras:
-            if self._holds(extra, choice):
-                for first, last, nbytes in extra.intervals:
+        values = self._values(choice)
+        for term in self.aux:
+            if values[id(term)]:
+                for first, last, nbytes in term.intervals:
                     curve[first:last + 1] += nbytes
+        level = curve.copy()
+        for segment in self.segments:
+            held = sum(n for term, n in segment.entries
+                       if (choice[term[0]] is term[1] if isinstance(term, tuple) else values[id(term)]))
+            curve[segment.at] = max(curve[segment.at], level[segment.at] + held)
         return curve
 
     def _residual(self, choice, compiled):
@@ -425,18 +537,24 @@ class Optimizer:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_array
 
-        columns, ranges, index_of = [], [], {}   # a column per (tensor, option); then the extras; then the peak
+        columns, ranges, index_of = [], [], {}   # a column per (tensor, option); then the derived terms; then the peak
         for tensor, stash in self.stashes.items():
             start = len(columns)
             for option in stash.options:
                 index_of[(tensor, id(option))] = len(columns)
                 columns.append((tensor, option))
             ranges.append((start, len(columns)))
-        extra_start = len(columns)
-        peak = extra_start + len(self.extras)
+        aux_start = len(columns)
+        for k, term in enumerate(self.aux):
+            index_of[id(term)] = aux_start + k
+        peak = aux_start + len(self.aux)
         level = peak + 1                            # then one level per segment (below)
+
+        def column(term):
+            return index_of[(term[0], id(term[1]))] if isinstance(term, tuple) else index_of[id(term)]
+
         items = [(c, o.intervals) for c, (_, o) in enumerate(columns)]
-        items += [(extra_start + k, e.intervals) for k, e in enumerate(self.extras)]
+        items += [(aux_start + k, term.intervals) for k, term in enumerate(self.aux)]
         # step segments over which every column's bytes are constant
         cuts = {0, self.steps}
         for _, intervals in items:
@@ -448,7 +566,7 @@ class Optimizer:
             segment_of[start:end] = index
         segments = len(cuts) - 1
         count = level + segments
-        seconds = [o.seconds for _, o in columns] + [e.seconds for e in self.extras] + [0.0] * (1 + segments)
+        seconds = [o.seconds for _, o in columns] + [t.seconds for t in self.aux] + [0.0] * (1 + segments)
         level_of = self.base_live + self.correction
         constant = np.array([level_of[s:e].max() for s, e in zip(cuts[:-1], cuts[1:])])
         rows, cols, vals, lower, upper = [], [], [], [], []
@@ -466,11 +584,11 @@ class Optimizer:
         # starts and less what ended there: a column takes two entries per interval, not one
         # per segment it spans (a sparse, banded matrix: the LPs solve many times faster)
         changes = [[] for _ in range(segments)]
-        for column, intervals in items:
+        for col, intervals in items:
             for first, last, nbytes in intervals:
-                changes[segment_of[first]].append((column, -nbytes / _MIB))
+                changes[segment_of[first]].append((col, -nbytes / _MIB))
                 if segment_of[last] + 1 < segments:
-                    changes[segment_of[last] + 1].append((column, nbytes / _MIB))
+                    changes[segment_of[last] + 1].append((col, nbytes / _MIB))
         for segment in range(segments):
             entries = [(level + segment, 1.0)] + changes[segment]
             step = constant[segment] - (constant[segment - 1] if segment else 0.0)
@@ -480,17 +598,19 @@ class Optimizer:
             add_row([(level + segment, 1.0), (peak, -1.0)], -np.inf, 0.0)
         for start, end in ranges:                        # one option per tensor
             add_row([(c, 1.0) for c in range(start, end)], 1.0, 1.0)
-        for k, extra in enumerate(self.extras):          # an extra holds when a group of its is chosen
-            for group in extra.ands:
-                add_row([(index_of[(t, id(o))], 1.0) for t, o in group] + [(extra_start + k, -1.0)],
-                        -np.inf, len(group) - 1)
+        for k, term in enumerate(self.aux):              # a derived term holds when a group of its does
+            for group in term.groups:
+                add_row([(column(t), 1.0) for t in group] + [(aux_start + k, -1.0)], -np.inf, len(group) - 1)
         for group in self.forbidden:
-            add_row([(index_of[(t, id(o))], 1.0) for t, o in group], -np.inf, len(group) - 1)
+            add_row([(column(t), 1.0) for t in group], -np.inf, len(group) - 1)
+        for replay in self.segments:                     # a recomputation segment's replays
+            add_row([(level + segment_of[replay.at], 1.0), (peak, -1.0)] +
+                    [(column(t), n / _MIB) for t, n in replay.entries], -np.inf, 0.0)
         if cap_seconds is not None:
             add_row([(c, v) for c, v in enumerate(seconds) if v], -np.inf, cap_seconds)
         matrix = coo_array((vals, (rows, cols)), shape=(len(lower), count)).tocsr()
-        integrality = np.ones(count)
-        integrality[peak:] = 0
+        integrality = np.zeros(count)
+        integrality[:aux_start] = 1     # the derived terms follow the choices: at their bounds, 0 or 1
         low, high = np.zeros(count), np.ones(count)
         low[peak:], high[peak:] = -np.inf, np.inf
         if cap_bytes is not None:
@@ -517,7 +637,8 @@ class Optimizer:
 
     def _model_seconds(self, choice):
         seconds = sum(option.seconds for option in choice.values())
-        return seconds + sum(e.seconds for e in self.extras if self._holds(e, choice))
+        values = self._values(choice)
+        return seconds + sum(term.seconds for term in self.aux if values[id(term)])
 
     def options_for(self, choice):
         """The pipeline's Options that carry out {tensor: option}."""
@@ -568,24 +689,39 @@ class Optimizer:
         """The plan of least predicted time whose exact footprint fits `budget` bytes; a
         MinigistError naming the smallest footprint reachable when none does."""
         budget = int(budget)
+        self._use_chain(SHORT_CHAIN)
+        plan = self._fit_rounds(budget)
+        if plan is not None:
+            return plan
+        # past what short chains reach: the smallest plan first (a solve that always has an
+        # answer; proving that none fits a budget takes the solver far longer), then, where it
+        # fits, the least time with long chains
+        smallest = self.smallest()
+        if smallest.footprint_bytes > budget:
+            raise MinigistError(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint reachable "
+                                f"{self.mode_words()} is {smallest.footprint_bytes:,} bytes; {dominated_by(smallest)}")
+        plan = self._fit_rounds(budget)
+        if plan is not None and plan.predicted_seconds <= smallest.predicted_seconds:
+            return plan
+        smallest.budget_bytes = budget
+        return smallest
+
+    def _fit_rounds(self, budget):
+        """The plan of least predicted time that fits `budget` with the chains modelled now,
+        in up to ROUNDS solves and compiles (None when none of them fits)."""
         self.correction = self.initial_correction      # what one call learns stays in it: deterministic
         margin = 0.0
         for round_index in range(ROUNDS):
             choice = self._solve(cap_bytes=budget - margin)
             if choice is None:
-                break
+                return None
             plan = self._compiled_plan(choice, budget)
             plan.rounds = round_index + 1
             if plan.footprint_bytes <= budget:
                 return plan
             self._learn(choice, plan)
             margin = max(margin, self._unplaced(plan))
-        smallest = self.smallest()
-        if smallest.footprint_bytes <= budget:
-            smallest.budget_bytes = budget
-            return smallest
-        raise MinigistError(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint reachable "
-                            f"{self.mode_words()} is {smallest.footprint_bytes:,} bytes; {dominated_by(smallest)}")
+        return None
 
     def mode_words(self):
         return "with fp32, lossless encodings, " + (f"{self.options.dpr}, " if self.lossy else "") + "and recomputation"
@@ -593,8 +729,10 @@ class Optimizer:
     def smallest(self, cap_seconds=None):
         """The plan of the smallest exact footprint the model finds (the least time among
         equals), within `cap_seconds` of predicted time added when given; None when the model
-        finds none within it."""
+        finds none within it. Long recomputation chains for the smallest of all, short ones
+        under a time cap (long chains cost more time than such caps allow)."""
         best, bias = None, 0.0
+        self._use_chain(LONG_CHAIN if cap_seconds is None else SHORT_CHAIN)
         self.correction = self.initial_correction
         for round_index in range(3):
             choice = self._solve(cap_seconds=None if cap_seconds is None else cap_seconds - bias, minimize_peak=True)
@@ -606,11 +744,106 @@ class Optimizer:
             within = cap_seconds is None or added <= cap_seconds * (1 + 1e-9)
             if within and (best is None or plan.footprint_bytes < best.footprint_bytes):
                 best = plan
+            before = (self.correction, bias)
             self._learn(choice, plan)
             # the compiled plan's own time is the prediction; where the model's sum missed it
             # (decodes a replay's sources need), the next solve asks for that much less
             bias = max(bias, added - self._model_seconds(choice))
+            if bias == before[1] and np.array_equal(self.correction, before[0]):
+                break       # the model was right at this choice: the next solve would repeat it
         return best
+
+    def floor(self):
+        """A lower bound on the footprint of every plan this optimizer can choose: the most
+        bytes one step of the unoptimized program needs whatever is chosen. At each step:
+        the persistent bytes (weights, momentum), the net's inputs, every other buffer the
+        step names that no choice changes (its gradients, weight gradient and workspace, in
+        place where the plan shares them), each stashed top it names in the smallest form any
+        option gives it there (fp32 in the forward pass; in the backward pass kept, its
+        encoding's codes and decoded part, or the copy a recomputation rebuilds), and 0 for a
+        layer's saved tensors; the evaluation program's need too. Everything else live at
+        that step (stashes of other steps, other branches' gradients) counts 0, so no plan
+        reaches below it. Returns (bytes, the step's label, {category: bytes})."""
+        program, plan = self.base.program, self.base.plan
+        group_of = {name: index for index, group in enumerate(plan.groups) for name in group.members}
+        inputs = {group_of[n] for n, b in program.buffers.items() if b.category == INPUT and n in group_of}
+        best = (plan.persistent_bytes + self.eval_transient, "the evaluation program", {})
+        for index, step in enumerate(program.steps):
+            parts, ending, starting = {}, 0, 0
+            named = {}
+            for name in set(step.buffer_names()):
+                buffer = program.buffers[name]
+                if not buffer.persistent and (buffer.category != STASH or buffer.tensor in self.stashes):
+                    named.setdefault(group_of[name], []).append(buffer)
+            for g in inputs - set(named):
+                if plan.groups[g].first_use <= index <= plan.groups[g].last_use:
+                    named[g] = [program.buffers[plan.groups[g].members[0]]]
+            for g, buffers in named.items():
+                group = plan.groups[g]
+                held, category, last = 0, None, group.last_use
+                for buffer in buffers:      # in place: the members share the group's bytes
+                    stash = self.stashes.get(buffer.tensor) if buffer.kind == "blob" else None
+                    if stash is None:
+                        nbytes = align(group.nbytes)
+                    elif index <= stash.last_forward:
+                        nbytes, last = stash.nbytes, stash.last_forward
+                    else:
+                        nbytes = min(stash.nbytes + sum(n for first, end, n in option.intervals if first <= index <= end)
+                                     for option in stash.options)
+                        last = stash.last_reader
+                    if nbytes > held:
+                        held, category = nbytes, (STASH if stash is not None else buffer.category)
+                    category = category or (STASH if stash is not None else buffer.category)
+                parts[category] = parts.get(category, 0) + held
+                if group.first_use < index == last:
+                    ending += held
+                elif group.first_use == index < last:
+                    starting += held
+            # an output may take the bytes of an input read for the last time (a layer in place
+            # where the plan has none yet: Gist's codes can free an fp32 stash for it)
+            shared = min(ending, starting)
+            total = plan.persistent_bytes + sum(parts.values()) - shared
+            if total > best[0]:
+                best = (total, step.label, dict(parts, persistent=plan.persistent_bytes, shared=-shared))
+        return best
+
+    def overhead_floor(self, budget):
+        """A lower bound on the predicted overhead (a fraction) of every plan within `budget`
+        bytes, from one step at a time: at a backward step the bytes no choice changes (the
+        persistent ones, the inputs, gradients, workspace) plus, for every stashed top live
+        there, what its option holds at that step (kept, its codes and decoded part, 0 when
+        dropped and rebuilt later) must fit `budget`, and each option adds at least its own
+        time (a recomputation its own chain's replays; a layer's saved tensors count 0 bytes,
+        the interactions nothing). The least time added that meets that at one step, over
+        fractional choices (a linear program), bounds every plan; the largest over the steps is
+        returned (None: no choice fits some step, whatever the time)."""
+        from scipy.optimize import linprog
+        program, plan = self.base.program, self.base.plan
+        stash_groups = [g for g in plan.groups if any(program.buffers[m].category == STASH for m in g.members)]
+        worst = 0.0
+        for index in range(self.first_backward, self.steps):
+            fixed = self.base_live[index] - sum(align(g.nbytes) for g in stash_groups
+                                                if g.first_use <= index <= g.last_use)
+            costs, held, rows = [], [], []
+            for stash in self.stashes.values():
+                if not stash.produced <= index <= stash.last_reader:
+                    continue
+                first = len(costs)
+                for option in stash.options:
+                    costs.append(option.seconds)
+                    held.append(stash.nbytes + sum(n for a, b, n in option.intervals if a <= index <= b))
+                rows.append((first, len(costs)))
+            if not costs:
+                continue
+            equality = np.zeros((len(rows), len(costs)))
+            for row, (first, end) in enumerate(rows):
+                equality[row, first:end] = 1.0
+            result = linprog(costs, A_ub=[np.array(held) / _MIB], b_ub=[(budget - fixed) / _MIB],
+                             A_eq=equality, b_eq=np.ones(len(rows)), bounds=(0, 1), method="highs")
+            if result.status == 2:
+                return None
+            worst = max(worst, result.fun)
+        return worst / self.base_seconds
 
     def within(self, overhead):
         """The plan of the smallest footprint whose predicted overhead is at most `overhead`."""
@@ -632,14 +865,15 @@ def optimize(model, budget=None, batch_size=None, input_size=None, gist="lossles
     plan; `max_overhead`: the smallest plan whose predicted overhead is at most that fraction).
     `gist`: "lossless" (no precision lost) or "all" (DPR in `dpr` allowed). `options`, when
     given, carries the settings instead of the keywords. `cost_model`: a costmodel model (None:
-    the FLOP model at this machine's measured rates). Net(model, plan=...) trains with it."""
-    from .costmodel import flop_model
+    the FLOP model at the reference rates, costmodel.reference_model). Net(model, plan=...)
+    trains with it."""
+    from .costmodel import reference_model
     if gist not in ("lossless", "all"):
         raise MinigistError(f"--gist: the optimizer chooses with lossless or all, not {gist!r}")
     if options is None:
         options = Options(batch_size=batch_size, input_size=input_size, dpr=dpr, densities=densities,
                           update=update, conv=conv)
-    optimizer = Optimizer(model, options, cost_model or flop_model(), lossy=gist == "all")
+    optimizer = Optimizer(model, options, cost_model or reference_model(), lossy=gist == "all")
     if max_overhead is not None:
         plan = optimizer.within(max_overhead)
         if plan is None:

@@ -2,12 +2,13 @@
 with), or without a budget the frontier of footprint against predicted overhead.
 
 The choosing is minigist/optimize.py's; this module settles the cost model (a plan from
-shapes alone: FLOPs and bytes at this machine's measured rates; a training run: its steps
-timed by a short profiling run), prints the decisions and draws the frontier.
+shapes alone: FLOPs and bytes at the reference rates, or this machine's measured ones with
+--measure-rates; a training run: its steps timed by a short profiling run), prints the
+decisions and draws the frontier.
 """
 import numpy as np
 
-from .costmodel import MeasuredModel, flop_model, profile
+from .costmodel import MeasuredModel, flop_model, profile, reference_model
 from .errors import MinigistError
 from .optimize import Optimizer, dominated_by
 from .pipeline import plan_report
@@ -17,6 +18,9 @@ FRONTIER_POINTS = 8
 
 def check_args(args):
     """--optimize's own rules, before anything runs."""
+    if args.measure_rates and not (args.optimize and args.plan_only):
+        raise MinigistError("--measure-rates sets the cost model of --optimize --plan-only (a training run "
+                            "times its own steps)")
     if args.gist not in ("lossless", "all"):
         raise MinigistError(f"--optimize chooses with --gist lossless (the default) or all, not {args.gist}")
     if args.alloc != "static":
@@ -106,9 +110,10 @@ def plot_frontier(plans, path, width=900, height=560):
 
 def plan_only(path, options, args, out=print):
     """--plan-only --optimize: the plan that fits the budget (or the frontier without one),
-    from the FLOP model; returns the report (None for the frontier)."""
+    from the FLOP model (reference rates unless --measure-rates); returns the report (None
+    for the frontier)."""
     from .memory.report import format_report, write_json
-    cost = flop_model()
+    cost = flop_model() if args.measure_rates else reference_model()
     optimizer = Optimizer(path, options, cost, lossy=args.gist == "all")
     if args.memory_budget is None:
         plans = frontier(optimizer)

@@ -98,6 +98,7 @@ class RunOptions:
     trace: str | None = None
     summary: bool = False
     optimize: bool = False
+    measure_rates: bool = False
 
 
 def bundled_models():
@@ -531,7 +532,7 @@ class Trainer:
         resumed = self._open_checkpoint()
         schedule_change, threads_from = self._settle_options(resumed)
         path = resolve_model(args.model)
-        if args.optimize:
+        if args.optimize or args.measure_rates:
             from .optimize_cli import check_args
             check_args(args)
         if args.summary or args.plan_only:
