@@ -1,15 +1,17 @@
 """The optimizer's predicted step-time overhead against the measured one, on the CPU models.
 
     python bench/optimize_overhead.py                 # vgg_small, resnet20, inception_small
-    python bench/optimize_overhead.py --repeats 15 --models resnet20
+    python bench/optimize_overhead.py --repeats 15 --models resnet20 --modes lossless
 
 For each model at batch 32 (static allocation, fused update, the im2col engine, one BLAS
-thread): the footprint of `--gist none`, then budgets 1.25x, 1.5x, 2x, 3x and 4x smaller. For each budget
-the optimizer chooses with the measured cost model (a profiling run of this machine's steps,
-minigist/costmodel.py), the chosen plan trains, and its median step time is measured side by
-side with the `none` plan's (the two alternate, one step each, so that a machine's drift hits
-both alike). Printed: the footprint reached, the predicted overhead and the measured one. A
-budget nothing fits prints the smallest footprint reachable instead. SSDC's densities are
+thread) and each mode (`lossless`: fp32, the lossless encodings and recomputation; `all`:
+fp16 DPR and smaller batch chunks too): the footprint of `--gist none`, then budgets 2x, 3x
+and 4x smaller. For each budget the optimizer chooses with the measured cost model (a
+profiling run of this machine's steps, minigist/optimize_cli.profiled_model); where nothing
+fits, the smallest plan it reaches is measured instead, and the row says so. The chosen plan
+trains, and its median step time is measured side by side with the `none` plan's (the two
+alternate, one step each, so that a machine's drift hits both alike). One table: the footprint
+reached, the predicted overhead, the measured one and their difference. SSDC's densities are
 calibrated on the same random batches the steps run on (ReLU maps about half zeros).
 """
 import argparse
@@ -24,14 +26,13 @@ sys.path.insert(0, ROOT)
 
 import minigist  # noqa: E402
 from minigist import blas  # noqa: E402
-from minigist.costmodel import MeasuredModel, flop_model, profile  # noqa: E402
 from minigist.errors import MinigistError  # noqa: E402
 from minigist.optimize import Optimizer  # noqa: E402
+from minigist.optimize_cli import profiled_model  # noqa: E402
 
 MODELS = ["vgg_small", "resnet20", "inception_small"]
-# the issue's 2x, 3x and 4x, and two budgets the small models reach at batch 32 (their smallest
-# plans are 1.2x-1.8x below none: im2col workspace and the gradients fill their peaks)
-FACTORS = (1.25, 1.5, 2, 3, 4)
+MODES = ["lossless", "all"]
+FACTORS = (2, 3, 4)
 BATCH = 32
 
 
@@ -55,39 +56,49 @@ def side_by_side(nets, data, repeats):
     return [float(np.median(t)) for t in times]
 
 
+def plans(optimizer):
+    """(factor, budget, plan, note) for each factor: the plan that fits, or the smallest."""
+    base = optimizer.baseline_footprint
+    smallest = None
+    for factor in FACTORS:
+        budget = int(base / factor)
+        try:
+            yield factor, budget, optimizer.fit(budget), ""
+        except MinigistError:
+            if smallest is None:
+                smallest = optimizer.smallest()
+            yield factor, budget, smallest, "unreachable; the smallest plan"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=MODELS)
+    parser.add_argument("--modes", nargs="*", default=MODES, choices=MODES)
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     data = batches(3)
-    print("| model | budget | footprint MiB (x less) | predicted overhead | measured overhead | difference |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| model | mode | budget | footprint MiB (x less than none) | predicted overhead | measured overhead "
+          "| difference |")
+    print("|---|---|---|---:|---:|---:|---:|")
     with blas.threads(1):
-        fallback = flop_model()
         for name in args.models:
             path = os.path.join(ROOT, "models", name + ".prototxt")
-            lossless = minigist.Net(path, batch_size=BATCH, gist="lossless", update="fused", threads=1)
-            lossless.calibrate(data[:2])
+            calibrated = minigist.Net(path, batch_size=BATCH, gist="lossless", update="fused", threads=1)
+            calibrated.calibrate(data[:2])
             none = minigist.Net(path, batch_size=BATCH, update="fused", threads=1)
-            cost = MeasuredModel(profile([none, lossless], data[0]), fallback, 2)
-            cost.calibrate([n.compiled["train"].program for n in (none, lossless)])
-            optimizer = Optimizer(path, lossless.options.replace(gist="lossless"), cost)
-            base = optimizer.baseline_footprint
-            for factor in FACTORS:
-                budget = int(base / factor)
-                try:
-                    plan = optimizer.fit(budget)
-                except MinigistError as exc:
-                    print(f"| {name} | {factor}x ({budget / 2**20:.1f} MiB) | unreachable: "
-                          f"{str(exc).split(': ', 2)[-1][:120]} | | | |", flush=True)
-                    continue
-                net = minigist.Net(path, plan=plan, threads=1)
-                plain, chosen = side_by_side([none, net], data, args.repeats)
-                measured = chosen / plain - 1
-                print(f"| {name} | {factor}x ({budget / 2**20:.1f} MiB) | {plan.footprint_bytes / 2**20:.1f} "
-                      f"({plan.ratio:.2f}x) | {100 * plan.predicted_overhead:+.1f}% | {100 * measured:+.1f}% | "
-                      f"{100 * (measured - plan.predicted_overhead):+.1f} pp |", flush=True)
+            for mode in args.modes:
+                lossy = mode == "all"
+                options = calibrated.options.replace(gist=mode)
+                cost = profiled_model(path, options, data[0], lossy, threads=1)
+                optimizer = Optimizer(path, options, cost, lossy=lossy)
+                for factor, budget, plan, note in plans(optimizer):
+                    net = minigist.Net(path, plan=plan, threads=1)
+                    plain, chosen = side_by_side([none, net], data, args.repeats)
+                    measured = chosen / plain - 1
+                    shown = f"{factor}x ({budget / 2**20:.1f} MiB)" + (f": {note}" if note else "")
+                    print(f"| {name} | {mode} | {shown} | {plan.footprint_bytes / 2**20:.1f} ({plan.ratio:.2f}x) | "
+                          f"{100 * plan.predicted_overhead:+.1f}% | {100 * measured:+.1f}% | "
+                          f"{100 * (measured - plan.predicted_overhead):+.1f} pp |", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Two kinds, and the report names which one a plan was made with:
 - `FlopModel` (plan-only): a step takes flops / GEMM rate + bytes / memory bandwidth, where
   flops are a convolution's or an inner product's multiply-adds (twice: one multiply, one
   add; a backward step counts the input gradient and the weight gradient it computes) and
-  bytes are the sizes of every buffer the step names (each once). The two rates are the
+  bytes are the sizes of every buffer the step names (each once; not its workspace, batch
+  chunks sized to stay in the caches: a smaller chunk is predicted neither faster nor slower,
+  which only a profiling run can tell). The two rates are the
   reference ones (`reference_model`: fixed, so that a plan does not depend on the machine or
   its load) or come from a micro-benchmark of about a second on this machine
   (`measure_rates`): a float32 GEMM of the shape a convolution's im2col product has, and a
@@ -24,6 +26,8 @@ import math
 import time
 
 import numpy as np
+
+from .program import WORKSPACE
 
 # the step kinds a layer's own code runs (a replay is its forward once more)
 _LAYER_KINDS = ("forward", "backward", "recompute")
@@ -48,18 +52,22 @@ def step_flops(step):
 
 
 def step_bytes(step, buffers):
-    """Bytes of every buffer the step names, each counted once."""
-    return sum(buffers[name].nbytes for name in set(step.buffer_names()) if name in buffers)
+    """Bytes of every buffer the step names, each counted once, but its workspace: scratch of
+    a batch chunk, sized to stay in the caches (the same traffic to memory whatever the chunk)."""
+    return sum(buffers[name].nbytes for name in set(step.buffer_names())
+               if name in buffers and buffers[name].category != WORKSPACE)
 
 
 def signature(step):
-    """What a step runs, as a key that holds across programs: a replay runs its layer's forward."""
+    """What a step runs, as a key that holds across programs: a replay runs its layer's forward;
+    a chunked layer's key names its chunk size."""
     kind = "forward" if step.kind == "recompute" else step.kind
     name = step.layer.name if step.layer is not None else (step.note or str(step.args.get("target", "")))
     if step.kind == "update":     # a layer's weights and bias are updated by two steps
         name = f"{name}:{step.args.get('param')}"
     op = "" if step.op is None or step.kind == "recompute" else type(step.op).__name__
-    return kind, name, op
+    chunk = getattr(step.layer, "chunk_bytes", None)    # a layer's time depends on its batch chunks
+    return (kind, name, op) if chunk is None else (kind, name, op, chunk)
 
 
 # The reference rates: what measure_rates found, with one BLAS thread, on the machine the
@@ -183,18 +191,18 @@ def reference_model():
     return FlopModel(REFERENCE_GEMM_FLOPS, REFERENCE_BANDWIDTH, source="reference")
 
 
-def profile(nets, inputs, repeats=3):
+def profile(nets, inputs, repeats=5):
     """{signature: median seconds} of every step of the training programs of `nets`, each run
-    `repeats` + 1 times on `inputs` (the first a warm-up), no update steps' effects kept out:
-    the profiled nets are throwaway copies, not the one that trains."""
+    `repeats` + 1 times on `inputs` (the first a warm-up), the nets taking turns run by run
+    (a machine's drift then reaches every net alike), no update steps' effects kept out: the
+    profiled nets are throwaway copies, not the one that trains."""
     samples = {}
-    for net in nets:
-        executor = net.executors["train"]
-        program = net.compiled["train"].program
-        feed = net._feeder("train", inputs)
-        with net._threads():
-            for run in range(repeats + 1):
-                feed(executor.arrays)
+    for run in range(repeats + 1):
+        for net in nets:
+            executor = net.executors["train"]
+            program = net.compiled["train"].program
+            with net._threads():
+                net._feeder("train", inputs)(executor.arrays)
                 for step, bound in zip(program.steps, executor.steps):
                     tick = time.perf_counter()
                     bound()

@@ -42,7 +42,7 @@ from .memory.available import check_fits
 from .memory.pool import Pool
 from .memory.report import footprint_report
 from .passes.gist_steps import GistStats
-from .pipeline import Options, build, compile, report_extra, with_evaluation
+from .pipeline import Options, build, compile, report_extra, set_chunks, with_evaluation
 from .program import param_buffer_names
 from .sgd import SGD
 
@@ -140,10 +140,13 @@ class Net:
 
     def apply_plan(self, plan):
         """Train with a plan of minigist.optimize from now on (its Gist overrides, recomputed
-        tensors and densities; re-plans, weights and momentum kept)."""
+        tensors, densities and batch chunks; re-plans, weights and momentum kept)."""
+        if plan.options.chunk_bytes != self.options.chunk_bytes:
+            for graph in self.graphs.values():
+                set_chunks(graph, self.options.replace(chunk_bytes=plan.options.chunk_bytes))
         self.options = self.options.replace(gist=plan.options.gist, dpr=plan.options.dpr,
                                             overrides=plan.options.overrides, recompute=plan.options.recompute,
-                                            densities=plan.options.densities)
+                                            densities=plan.options.densities, chunk_bytes=plan.options.chunk_bytes)
         self.optimized = plan
         self._build()
 

@@ -48,6 +48,9 @@ ROUNDS = 5              # compiles of candidate plans per solve, at most
 # fitted with short chains (a smaller model, solved in seconds), with long ones only where short
 # ones cannot fit it, and the smallest plan is searched with long ones
 SHORT_CHAIN, LONG_CHAIN = 4, 8
+# the batch chunks of the chunked layers (im2col's columns, pooling, BatchNorm, Scale, LRN)
+# where nothing fits at their own: one sample at a time for most convolutions
+SMALL_CHUNK_BYTES = 256 << 10
 # the solver's stopping rules, all deterministic (no time limit): a solution within these
 # fractions of the best possible one, or the best found after NODE_LIMIT branch-and-bound nodes
 PEAK_GAP = 5e-3
@@ -184,11 +187,14 @@ def _on_base(values, positions, size):
 
 
 class Optimizer:
-    """The model of one net under fixed settings (`options`: batch, engine, update, densities;
-    its gist, overrides and recompute are ignored), for one cost model. `lossy`: DPR (in
-    options.dpr) may be chosen."""
+    """The model of one net under fixed settings (`options`: batch, engine, update, densities,
+    chunks; its gist, overrides and recompute are ignored), for one cost model. `lossy`: DPR
+    (in options.dpr) may be chosen, and, where nothing fits at the layers' own batch chunks,
+    smaller ones (SMALL_CHUNK_BYTES: less workspace; a sum over a batch then rounds
+    differently, so never under lossless). `reference`: the optimizer at the layers' own
+    chunks, whose unoptimized plan this one's plans are compared with."""
 
-    def __init__(self, model, options, cost_model, lossy=False):
+    def __init__(self, model, options, cost_model, lossy=False, reference=None):
         _require_scipy()
         if options.alloc != "static":
             raise MinigistError(f"--optimize plans for --alloc static (the exact plan), not {options.alloc}")
@@ -206,7 +212,11 @@ class Optimizer:
         self.step_cost = [self.cost.step_seconds(s, program) for s in program.steps]
         self.base_live = live_by_step(self.base.plan).astype(np.float64)
         self.first_backward = next(i for i, s in enumerate(program.steps) if s.kind != "forward")
-        self.baseline_footprint = self._needed(self.base)
+        # what plans are compared with: every stash kept in fp32, at the layers' own chunks
+        self.reference = reference
+        self.baseline_footprint = reference.baseline_footprint if reference else self._needed(self.base)
+        self.baseline_seconds = reference.base_seconds if reference else self.base_seconds
+        self._chunked = None
         self.stashes = self._stashes()
         self.lossless = compile(model, self.options)
         self._mark_in_place(self.lossless)
@@ -662,7 +672,7 @@ class Optimizer:
                 stored = kept
             decisions.append(Decision(tensor, stash.layer, name, stash.raw, kept - stored, option.seconds))
         return OptimizedPlan(self.options_for(choice), compiled, budget, self._needed(compiled),
-                             self.baseline_footprint, seconds, self.base_seconds, self.cost, decisions)
+                             self.baseline_footprint, seconds, self.baseline_seconds, self.cost, decisions)
 
     def _compiled_plan(self, choice, budget):
         return self._plan(choice, compile(self.model, self.options_for(choice)), budget)
@@ -687,16 +697,57 @@ class Optimizer:
 
     def fit(self, budget):
         """The plan of least predicted time whose exact footprint fits `budget` bytes; a
-        MinigistError naming the smallest footprint reachable when none does."""
+        MinigistError naming the smallest footprint reachable when none does. Under lossy
+        modes, smaller batch chunks where short recomputation chains fit nothing at the
+        layers' own."""
+        chunked = self._chunked_optimizer()
+        if chunked is None:
+            return self._fit(budget)
+        plan = self._fit(budget, short_only=True)
+        return plan if plan is not None else chunked._fit(budget)
+
+    def smallest(self):
+        """The plan of the smallest exact footprint the model finds (the least time among
+        equals), smaller chunks included under lossy modes."""
+        plans = [o._smallest() for o in self._family()]
+        return min((p for p in plans if p is not None), key=lambda p: p.footprint_bytes)
+
+    def within(self, overhead):
+        """The plan of the smallest footprint whose predicted overhead is at most `overhead`
+        (a fraction); None when the model finds none."""
+        plans = []
+        for optimizer in self._family():
+            cap = optimizer.baseline_seconds * (1 + overhead) - optimizer.base_seconds
+            if cap >= 0:
+                plans.append(optimizer._smallest(cap_seconds=cap))
+        plans = [p for p in plans if p is not None]
+        return min(plans, key=lambda p: p.footprint_bytes) if plans else None
+
+    def _family(self):
+        chunked = self._chunked_optimizer()
+        return [self] if chunked is None else [self, chunked]
+
+    def _chunked_optimizer(self):
+        """The optimizer of the same settings at SMALL_CHUNK_BYTES (lossy modes only; None
+        elsewhere, or where the chunks are set already)."""
+        if not self.lossy or self.reference is not None or self.options.chunk_bytes is not None:
+            return None
+        if self._chunked is None:
+            self._chunked = Optimizer(self.model, self.options.replace(chunk_bytes=SMALL_CHUNK_BYTES), self.cost,
+                                      lossy=True, reference=self)
+        return self._chunked
+
+    def _fit(self, budget, short_only=False):
+        """fit() at this optimizer's chunks (`short_only`: None where short chains fit nothing)."""
         budget = int(budget)
         self._use_chain(SHORT_CHAIN)
         plan = self._fit_rounds(budget)
-        if plan is not None:
+        if plan is not None or short_only:
             return plan
         # past what short chains reach: the smallest plan first (a solve that always has an
         # answer; proving that none fits a budget takes the solver far longer), then, where it
         # fits, the least time with long chains
-        smallest = self.smallest()
+        smallest = self._smallest()
         if smallest.footprint_bytes > budget:
             raise MinigistError(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint reachable "
                                 f"{self.mode_words()} is {smallest.footprint_bytes:,} bytes; {dominated_by(smallest)}")
@@ -724,13 +775,16 @@ class Optimizer:
         return None
 
     def mode_words(self):
-        return "with fp32, lossless encodings, " + (f"{self.options.dpr}, " if self.lossy else "") + "and recomputation"
+        if not self.lossy:
+            return "with fp32, lossless encodings and recomputation"
+        return f"with fp32, lossless encodings, {self.options.dpr}, recomputation and smaller batch chunks"
 
-    def smallest(self, cap_seconds=None):
+    def _smallest(self, cap_seconds=None):
         """The plan of the smallest exact footprint the model finds (the least time among
-        equals), within `cap_seconds` of predicted time added when given; None when the model
-        finds none within it. Long recomputation chains for the smallest of all, short ones
-        under a time cap (long chains cost more time than such caps allow)."""
+        equals), within `cap_seconds` of predicted time added to this optimizer's own
+        unoptimized program when given; None when the model finds none within it. Long
+        recomputation chains for the smallest of all, short ones under a time cap (long chains
+        cost more time than such caps allow)."""
         best, bias = None, 0.0
         self._use_chain(LONG_CHAIN if cap_seconds is None else SHORT_CHAIN)
         self.correction = self.initial_correction
@@ -845,9 +899,6 @@ class Optimizer:
             worst = max(worst, result.fun)
         return worst / self.base_seconds
 
-    def within(self, overhead):
-        """The plan of the smallest footprint whose predicted overhead is at most `overhead`."""
-        return self.smallest(cap_seconds=self.base_seconds * overhead)
 
 
 def dominated_by(plan):

@@ -10,7 +10,7 @@ import numpy as np
 
 from .costmodel import MeasuredModel, flop_model, profile, reference_model
 from .errors import MinigistError
-from .optimize import Optimizer, dominated_by
+from .optimize import SMALL_CHUNK_BYTES, Optimizer, dominated_by
 from .pipeline import plan_report
 
 FRONTIER_POINTS = 8
@@ -139,33 +139,33 @@ def plan_only(path, options, args, out=print):
     return report
 
 
-def profiled_model(net, batch, args, out=print):
-    """The measured cost model of a training run: throwaway copies of `net` under the programs
-    the optimizer chooses from (every stash kept; the lossless rules; DPR everywhere it
-    applies), each step timed on `batch`. Falls back to the FLOP model where those copies do
-    not fit this machine."""
+def profiled_model(model, options, batch, lossy, threads=None, out=print):
+    """The measured cost model of a training run: throwaway nets under the programs the
+    optimizer chooses from (every stash kept; the lossless rules; under lossy modes DPR
+    everywhere it applies, and the three again at SMALL_CHUNK_BYTES), each step timed on
+    `batch`. Falls back to the FLOP model where those nets do not fit this machine."""
     from .net import Net
     fallback = flop_model()
-    variants = [dict(gist="none"), dict(gist="lossless")]
+    base = options.replace(overrides=(), recompute=(), budget=None, chunk_bytes=None)
+    variants = [base.replace(gist="none"), base.replace(gist="lossless")]
     nets = []
     try:
-        for variant in variants:
-            options = net.options.replace(overrides=(), recompute=(), budget=None, **variant)
-            copy = Net(net.model, threads=net.threads, plan=_Settings(options))
-            nets.append(copy)
-        if args.gist == "all":
-            optimizer_options = net.options.replace(gist="lossless", overrides=(), recompute=())
-            dpr = {b.tensor: net.options.dpr for b in nets[0].compiled["train"].program.buffers.values()
+        nets = [Net(model, threads=threads, plan=_Settings(variant)) for variant in variants]
+        if lossy:
+            dpr = {b.tensor: options.dpr for b in nets[0].compiled["train"].program.buffers.values()
                    if b.kind == "blob" and b.category == "stash" and b.dtype == np.float32
                    and len(b.shape) >= 2 and b.nbytes >= 4096}
-            nets.append(Net(net.model, threads=net.threads, plan=_Settings(optimizer_options.replace(overrides=dpr))))
+            variants = [variants[0], variants[1], base.replace(gist="lossless", overrides=dpr)]
+            nets.append(Net(model, threads=threads, plan=_Settings(variants[2])))
+            nets += [Net(model, threads=threads, plan=_Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))
+                     for v in variants]
         seconds = profile(nets, batch)
     except MinigistError as exc:
         out(f"cost model: FLOPs and bytes (the profiling run could not run here: {exc})")
         return fallback
-    model = MeasuredModel(seconds, fallback, len(nets))
-    model.calibrate([n.compiled["train"].program for n in nets])
-    return model
+    measured = MeasuredModel(seconds, fallback, len(nets))
+    measured.calibrate([n.compiled["train"].program for n in nets])
+    return measured
 
 
 class _Settings:
@@ -181,7 +181,7 @@ def fit_training_net(net, batch, args, out=print):
     if args.memory_budget is None:
         raise MinigistError("--optimize: a training run needs --memory-budget SIZE (without one, --plan-only "
                             "prints the frontier)")
-    cost = profiled_model(net, batch, args, out)
+    cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out)
     optimizer = Optimizer(net.model, net.options.replace(budget=None), cost, lossy=args.gist == "all")
     plan = optimizer.fit(args.memory_budget)
     net.apply_plan(plan)
