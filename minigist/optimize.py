@@ -16,18 +16,30 @@ How it decides. The model is an integer one on the steps of the unoptimized prog
 stash kept): the bytes live at each step (the static planner reaches that lower bound on every
 bundled model), and, per stashed tensor and choice, the intervals of bytes the choice takes
 away or adds, read off real compiled programs (one with Gist's lossless rules applied
-everywhere, one with the lossy encoding everywhere) mapped back onto those steps; a
-recomputation's rebuilt copy, the chain of forward steps it replays from kept tensors and the
-maps that chain rebuilds on the way come from the program itself. Time added per choice comes
-from the cost model (minigist/costmodel.py). Recomputing a tensor whose source is itself
-dropped and rebuilt only later replays the source's chain too (a pair variable carries that
-time and memory); deeper chains are not chosen. That is a 0-1 program: minimize the time added
-such that the bytes at every step stay under the budget, solved by HiGHS's MILP solver
-(scipy.optimize.milp). The choice is then compiled; the model's error at that choice (the
-in-place pairs it frees, codes that change with their neighbours) is measured step by step
-against the compiled program and carried into the next solve, a few times, until the exact
-plan fits. Deterministic for a given cost model: the solver runs without a time limit on one
-thread.
+everywhere, one with the lossy encoding everywhere) mapped back onto those steps, with the
+in-place steps and workspace a code frees credited to it; a recomputation's rebuilt copy, the
+chain of forward steps it replays from kept tensors and the maps that chain rebuilds on the way
+come from the program itself. Time added per choice comes from the cost model
+(minigist/costmodel.py). Recomputing a tensor whose sources are themselves dropped and rebuilt
+only later replays their chains too, into private copies, up to SHORT_CHAIN replays deep (a
+derived term per segment and source carries that time, and the segment's peak is modelled
+replay by replay); LONG_CHAIN where short chains fit nothing, and for the smallest plan. That
+is a mixed 0-1 program: minimize the time added such that the bytes at every step stay under
+the budget, solved by HiGHS's MILP solver (scipy.optimize.milp; the choices are binary, the
+derived terms continuous and at their bounds). The choice is then compiled; where the model
+was below the exact plan, the model learns the difference step by step and solves again, a few
+times, until the exact plan fits. Deterministic for a given cost model: the solver stops at an
+optimality gap or a node count, never on a clock, on one thread; train.py --plan-only uses
+fixed reference rates.
+
+Under lossy modes, where short chains fit nothing at the layers' own batch chunks, the same
+search runs again with smaller chunks (SMALL_CHUNK_BYTES: less im2col workspace). Not under
+lossless: a GEMM over a chunk of another size rounds differently, so the weights would no longer
+match --gist none bit for bit.
+
+Lower bounds: `floor()` (the most bytes one step needs whatever is chosen) and
+`overhead_floor(budget)` (the least predicted overhead any plan within a budget needs, from one
+step at a time) bound every plan from below; the README's frontier table gives the first.
 """
 import math
 from dataclasses import dataclass, field
@@ -817,7 +829,13 @@ class Optimizer:
         encoding's codes and decoded part, or the copy a recomputation rebuilds), and 0 for a
         layer's saved tensors; the evaluation program's need too. Everything else live at
         that step (stashes of other steps, other branches' gradients) counts 0, so no plan
-        reaches below it. Returns (bytes, the step's label, {category: bytes})."""
+        reaches below it. Under lossy modes the smaller of this bound and the one at smaller
+        batch chunks. Returns (bytes, the step's label, {category: bytes})."""
+        chunked = self._chunked_optimizer()
+        own = self._floor()
+        return own if chunked is None else min(own, chunked._floor(), key=lambda found: found[0])
+
+    def _floor(self):
         program, plan = self.base.program, self.base.plan
         group_of = {name: index for index, group in enumerate(plan.groups) for name in group.members}
         inputs = {group_of[n] for n, b in program.buffers.items() if b.category == INPUT and n in group_of}

@@ -13,10 +13,11 @@ import pytest
 pytest.importorskip("scipy", reason="the optimizer needs scipy (pip install 'minigist[optimize]')")
 
 import minigist  # noqa: E402
-from minigist.costmodel import FlopModel, profile, step_flops  # noqa: E402
+from minigist.costmodel import REFERENCE_GEMM_FLOPS, FlopModel, profile, step_flops  # noqa: E402
 from minigist.errors import MinigistError  # noqa: E402
 from minigist.memory.report import live_by_step  # noqa: E402
-from minigist.optimize import RECOMPUTE, Optimizer, _on_base, _positions  # noqa: E402
+from minigist.memory.report import footprint_report  # noqa: E402
+from minigist.optimize import RECOMPUTE, SMALL_CHUNK_BYTES, Optimizer, _on_base, _positions  # noqa: E402
 from minigist.pipeline import Options, compile  # noqa: E402
 from test_gist import batches, model  # noqa: E402
 from test_recompute import assert_same_training  # noqa: E402
@@ -82,6 +83,32 @@ def test_a_compiled_choice_is_never_below_the_model_after_learning(tiny):
         real = _on_base(live_by_step(plan.compiled.plan), _positions(plan.compiled.program, tiny.labels), tiny.steps)
         tiny._learn(choice, plan)
         assert np.all(tiny._curve(choice) >= real), shift
+
+
+def test_no_plan_passes_the_floor_and_every_plan_is_exact(tiny):
+    """floor() bounds every plan from below; each plan's footprint is its compiled plan's."""
+    floor = tiny.floor()[0]
+    smallest = tiny.smallest()
+    budget = (smallest.footprint_bytes + tiny.baseline_footprint) // 2
+    plan = tiny.fit(budget)
+    for found in (smallest, plan):
+        compiled = compile(tiny.model, found.options)
+        assert found.footprint_bytes >= floor and found.footprint_bytes >= compiled.plan.footprint_bytes
+    assert plan.footprint_bytes <= budget and plan.options.chunk_bytes is None
+
+
+def test_smaller_chunks_only_under_lossy_modes(tiny, capsys):
+    """Smaller batch chunks shrink the workspace and change a GEMM's rounding: a lossy choice,
+    offered only where DPR is."""
+    assert tiny._chunked_optimizer() is None
+    lossy = Optimizer(tiny.model, tiny.options.replace(batch_size=8), COST, lossy=True)
+    chunked = lossy._chunked_optimizer()
+    assert chunked.options.chunk_bytes == SMALL_CHUNK_BYTES and chunked.baseline_footprint == lossy.baseline_footprint
+    workspace = [footprint_report(compile(model("resnet20"), Options(batch_size=32, chunk_bytes=chunk)).plan)
+                 ["peak_by_category"]["workspace"] for chunk in (None, SMALL_CHUNK_BYTES)]
+    assert workspace[1] < workspace[0] / 4
+    assert train.main(["--model", "resnet20", "--batch-size", "4", "--measure-rates", "--plan-only"]) == 2
+    assert "--measure-rates" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +222,7 @@ def test_profile_times_every_step():
     net = minigist.Net(model("resnet20"), batch_size=2)
     seconds = profile([net], batches(1, 2)[0], repeats=1)
     assert all(value >= 0 for value in seconds.values())
-    assert ("forward", "conv1", "", 8 << 20) in seconds and len(seconds) > 50
+    assert any(key[:3] == ("forward", "conv1", "") for key in seconds) and len(seconds) > 50
 
 
 def test_cli_plan_only_prints_decisions_and_writes_the_optimizer_object(tmp_path, capsys):
@@ -210,6 +237,9 @@ def test_cli_plan_only_prints_decisions_and_writes_the_optimizer_object(tmp_path
     assert {"budget_bytes", "footprint_bytes", "predicted_overhead", "cost_model", "decisions"} <= set(optimizer)
     assert optimizer["footprint_bytes"] == report["footprint_with_evaluation_bytes"] <= 9.2e6
     assert optimizer["cost_model"].startswith("flops")
+    # the reference rates, not this machine's: the same plan on every machine and run
+    assert optimizer["cost_model_detail"]["rates"] == "reference"
+    assert optimizer["cost_model_detail"]["gemm_flops"] == REFERENCE_GEMM_FLOPS
     assert 0 < optimizer["predicted_overhead"] < 1
     assert {"tensor", "layer", "choice", "bytes_saved", "time_added_s"} <= set(optimizer["decisions"][0])
 
@@ -243,3 +273,20 @@ def test_library_example():
     assert net.report()["optimizer"]["footprint_bytes"] == plan.footprint_bytes
     loss = net.train_step(*batches(1)[0])
     assert np.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_a_budget_only_smaller_chunks_reach_trains_with_them(resnet20):
+    optimizer, data = resnet20
+    lossy = Optimizer(model("resnet20"), optimizer.options, COST, lossy=True)
+    own, chunked = lossy._smallest(), lossy._chunked_optimizer()._smallest()
+    assert chunked.footprint_bytes < 0.8 * own.footprint_bytes     # im2col's columns were most of the workspace
+    plan = lossy.fit(chunked.footprint_bytes)
+    assert plan.options.chunk_bytes == SMALL_CHUNK_BYTES and plan.footprint_bytes <= chunked.footprint_bytes
+    assert plan.baseline_footprint_bytes == lossy.baseline_footprint
+    net = minigist.Net(model("resnet20"), plan=plan)
+    assert net.report()["footprint_with_evaluation_bytes"] == plan.footprint_bytes
+    assert all(np.isfinite(net.train_step(*batch)) for batch in data[:2])
+    net = minigist.Net(model("resnet20"), batch_size=BATCH, update="fused")     # applied to a net built without it
+    net.apply_plan(plan)
+    assert net.report()["footprint_with_evaluation_bytes"] == plan.footprint_bytes

@@ -2,16 +2,19 @@
 ImageNet networks, from exact plans (nothing allocated or run).
 
     python tools/frontier_table.py                 # prints the markdown table
-    python tools/frontier_table.py --gemm 75e9 --bandwidth 34e9   # a fixed cost model
+    python tools/frontier_table.py --measure       # the cost model at this machine's rates
 
 Batch 64, ImageNet input sizes, static allocation, the SGD update fused into the backward pass
 (train.py's default), the im2col engine, SSDC planned from the bundled densities
 (models/densities/, 5% above the densest batch measured). Each cell is a footprint as a ratio
-to `none` (every stash kept in fp32) under the same settings: the smallest plan lossless (fp32,
-the lossless encodings, recomputation), with fp16 and with fp8-e4m3 allowed (--gist all), and
-the smallest plan within 10%, 15% and 20% predicted step-time overhead, lossless and with fp16.
-The cost model is FLOPs and bytes at the GEMM rate and memory bandwidth given, or measured on
-this machine (one BLAS thread, as train.py's im2col default) when not given.
+to `none` (every stash kept in fp32) under the same settings, with its predicted overhead: the
+smallest plan lossless (fp32, the lossless encodings, recomputation), with fp16 and with
+fp8-e4m3 allowed (--gist all, smaller batch chunks too), and the smallest plan within 10%, 15%
+and 20% predicted step-time overhead, lossless and with fp16. "bound" is the ratio no plan can
+pass (Optimizer.floor: the most bytes one step needs whatever is chosen). The cost model is
+FLOPs and bytes at the reference rates (costmodel.reference_model), or measured on this
+machine (one BLAS thread, as train.py's im2col default) with --measure. Seconds per network on
+stderr.
 """
 import argparse
 import os
@@ -24,61 +27,67 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gist_table import EXTRA, PAPER, densities  # noqa: E402
 from minigist import blas  # noqa: E402
-from minigist.costmodel import FlopModel, measure_rates  # noqa: E402
+from minigist.costmodel import FlopModel, measure_rates, reference_model  # noqa: E402
 from minigist.optimize import Optimizer  # noqa: E402
 from minigist.pipeline import Options  # noqa: E402
 
-COLUMNS = ["lossless min", "lossless 10%", "lossless 15%", "lossless 20%", "fp16 min", "fp16 10%", "fp16 15%",
-           "fp16 20%", "fp8 min"]
+COLUMNS = ["lossless bound", "lossless min", "lossless 10%", "lossless 15%", "lossless 20%", "fp16 bound",
+           "fp16 min", "fp16 10%", "fp16 15%", "fp16 20%", "fp8 min"]
 
 
 def cells(name, cost, columns):
+    """{column: (ratio, overhead or None)} of one network, and its none footprint in bytes."""
     path = os.path.join(ROOT, "models", name + ".prototxt")
     options = Options(batch_size=64, update="fused", conv="im2col", densities=densities(name))
-    row, started = {}, time.perf_counter()
+    row, none = {}, None
     for label, dpr, lossy in (("lossless", "fp16", False), ("fp16", "fp16", True), ("fp8", "fp8-e4m3", True)):
         wanted = [c for c in columns if c.split()[0] == label]
         if not wanted:
             continue
         optimizer = Optimizer(path, options.replace(dpr=dpr), cost, lossy=lossy)
+        none = optimizer.baseline_footprint
         for column in wanted:
-            cap = column.split()[1]
-            row[column] = optimizer.smallest() if cap == "min" else optimizer.within(float(cap[:-1]) / 100)
-    row["none MiB"] = optimizer.baseline_footprint / 2**20
-    row["seconds"] = time.perf_counter() - started
-    return row
+            kind = column.split()[1]
+            if kind == "bound":
+                row[column] = (none / optimizer.floor()[0], None)
+                continue
+            plan = optimizer.smallest() if kind == "min" else optimizer.within(float(kind[:-1]) / 100)
+            row[column] = None if plan is None else (plan.ratio, plan.predicted_overhead)
+    return row, none
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gemm", type=float, help="GEMM rate, FLOP/s (default: measured)")
-    parser.add_argument("--bandwidth", type=float, help="memory bandwidth, bytes/s (default: measured)")
+    parser.add_argument("--measure", action="store_true", help="measure this machine's rates (default: reference)")
+    parser.add_argument("--gemm", type=float, help="GEMM rate, FLOP/s")
+    parser.add_argument("--bandwidth", type=float, help="memory bandwidth, bytes/s")
     parser.add_argument("--models", nargs="*", default=PAPER + EXTRA)
     parser.add_argument("--columns", nargs="*", default=COLUMNS, help=f"a part of {', '.join(COLUMNS)}")
     args = parser.parse_args()
-    if args.gemm is None or args.bandwidth is None:
+    cost = reference_model()
+    if args.measure:
         with blas.threads(1):
-            gemm, bandwidth = measure_rates()
-        args.gemm = args.gemm or gemm
-        args.bandwidth = args.bandwidth or bandwidth
-    cost = FlopModel(args.gemm, args.bandwidth)
+            cost = FlopModel(*measure_rates(), source="measured")
+    if args.gemm or args.bandwidth:
+        cost = FlopModel(args.gemm or cost.gemm_flops, args.bandwidth or cost.bandwidth)
     print(f"cost model: {cost.describe()}\n")
     columns = args.columns
     print("| network (batch 64) | none MiB | " + " | ".join(columns) + " |")
     print("|---|---:|" + "---:|" * len(columns))
     ratios = {}
     for name in args.models:
-        row = cells(name, cost, columns)
+        started = time.perf_counter()
+        row, none = cells(name, cost, columns)
         shown = []
         for column in columns:
-            plan = row[column]
-            if plan is None:
+            if row.get(column) is None:
                 shown.append("-")
                 continue
-            ratios.setdefault(column, {})[name] = plan.ratio
-            shown.append(f"{plan.ratio:.2f}x ({100 * plan.predicted_overhead:.0f}%)")
-        print(f"| {name} | {row['none MiB']:,.0f} | " + " | ".join(shown) + " |", flush=True)
-        print(f"<!-- {name}: {row['seconds']:.0f} s -->", file=sys.stderr)
+            ratio, overhead = row[column]
+            ratios.setdefault(column, {})[name] = ratio
+            shown.append(f"{ratio:.2f}x" + ("" if overhead is None else f" ({100 * overhead:.0f}%)"))
+        print(f"| {name} | {none / 2**20:,.0f} | " + " | ".join(shown) + " |", flush=True)
+        print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     print()
     for column in columns:
         paper = [ratios.get(column, {}).get(n) for n in PAPER]
