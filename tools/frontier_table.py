@@ -10,11 +10,12 @@ Batch 64, ImageNet input sizes, static allocation, the SGD update fused into the
 to `none` (every stash kept in fp32) under the same settings, with its predicted overhead: the
 smallest plan lossless (fp32, the lossless encodings, recomputation), with fp16 and with
 fp8-e4m3 allowed (--gist all, smaller batch chunks too), and the smallest plan within 10%, 15%
-and 20% predicted step-time overhead, lossless and with fp16. "bound" is the ratio no plan can
-pass (Optimizer.floor: the most bytes one step needs whatever is chosen). The cost model is
-FLOPs and bytes at the reference rates (costmodel.reference_model), or measured on this
-machine (one BLAS thread, as train.py's im2col default) with --measure. Seconds per network on
-stderr.
+and 20% predicted step-time overhead, lossless and with fp16 (a plan within a smaller cap counts
+for the larger ones; the smallest plan of all is the best of every column). "bound" is the
+ratio no plan can pass (Optimizer.floor: the most bytes one step needs whatever is chosen).
+The cost model is FLOPs and bytes at the reference rates (costmodel.reference_model), or
+measured on this machine (one BLAS thread, as train.py's im2col default) with --measure.
+Seconds per network on stderr.
 """
 import argparse
 import os
@@ -46,14 +47,23 @@ def cells(name, cost, columns):
             continue
         optimizer = Optimizer(path, options.replace(dpr=dpr), cost, lossy=lossy)
         none = optimizer.baseline_footprint
-        for column in wanted:
+        best = None     # a plan within a smaller cap is within a larger one: the caps in order
+        for column in sorted(wanted, key=_order):
             kind = column.split()[1]
             if kind == "bound":
                 row[column] = (none / optimizer.floor()[0], None)
                 continue
             plan = optimizer.smallest() if kind == "min" else optimizer.within(float(kind[:-1]) / 100)
-            row[column] = None if plan is None else (plan.ratio, plan.predicted_overhead)
+            if plan is not None and (best is None or plan.footprint_bytes < best.footprint_bytes):
+                best = plan
+            row[column] = None if best is None else (best.ratio, best.predicted_overhead)
     return row, none
+
+
+def _order(column):
+    """Bound first, then the caps from the smallest up, the smallest plan of all last."""
+    kind = column.split()[1]
+    return -1.0 if kind == "bound" else float("inf") if kind == "min" else float(kind[:-1])
 
 
 def main():
