@@ -61,9 +61,11 @@ from minigist.cli_args import (Parser, byte_size, config_checker, explicit_flags
                                fraction_inclusive, join_negative_sizes, non_negative_float, non_negative_int,
                                positive_int)
 from minigist.codecs import DPR_FORMATS, GIST_MODES  # noqa: E402
+from minigist.comm import DEFAULT_TIMEOUT, RankTimeoutError  # noqa: E402
 from minigist.errors import MemoryBudgetError, MinigistError  # noqa: E402
 from minigist.memory.plan import MODES  # noqa: E402
 from minigist.net import MAX_DEFAULT_THREADS  # noqa: E402
+from minigist.passes.reduce import DEFAULT_BUCKET_BYTES, SHARDS  # noqa: E402
 from minigist.pipeline import CONV_CHOICES, UPDATES  # noqa: E402
 from minigist.trainer import (DEFAULT_DATA, DEFAULT_EPOCHS, DEFAULT_LR, DEFAULT_LR_GAMMA, DEFAULT_LR_STEP,  # noqa: E402
                               DEFAULT_MODEL, MODEL_LR, MODEL_WARMUP, RunOptions, Trainer, bundled_models)
@@ -116,12 +118,27 @@ defaults: {DEFAULT_MODEL} on {DEFAULT_DATA}, batch 32 (the model file's), {DEFAU
 """
 
 
+def bucket_size(text):
+    try:
+        return byte_size(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 25MiB or 4MB, got {text!r}") from None
+
+
+def positive_seconds(text):
+    value = non_negative_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def make_parser():
     parser = Parser(prog="train.py", description="Train a model with minigist and report its memory footprint.",
                     epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("model and data")
     group.add_argument("--model", 
-                       help=f"a bundled model ({', '.join(bundled_models())}) or a .prototxt path "
+                       help=f"a bundled model ({', '.join(bundled_models())}), a Caffe .prototxt path or an "
+                            f"ONNX .onnx path (needs pip install 'minigist[onnx]'; docs/onnx.md) "
                             f"(default {DEFAULT_MODEL})")
     group.add_argument("--data", metavar="NAME|FOLDER",
                        help=f"'{DEFAULT_DATA}' (bundled MNIST digits, the default), 'synthetic' (random "
@@ -136,6 +153,9 @@ def make_parser():
                             "on the scores that feed its final Softmax (else on its last blob), with a label "
                             "input unless its data layer gives labels, and an Accuracy for evaluation; then "
                             "the file can be planned for training (--plan-only) and trained")
+    group.add_argument("--ignore-initializers", action="store_true",
+                       help="start an ONNX model from minigist's fillers (msra weights, zero biases, unit "
+                            "BatchNorm scale and variance) instead of the weights its file gives")
     group.add_argument("--input-channels", type=positive_int, metavar="N",
                        help="input channels of a data layer whose file states none (Caffe's Data, "
                             "ImageData without is_color); default: the data's (1 for mnist5k and a "
@@ -270,6 +290,23 @@ def make_parser():
                             "chrome://tracing); 1 us = 1 program step")
     group.add_argument("--summary", action="store_true",
                        help="print one row per layer and the parameter count, then exit")
+    group = parser.add_argument_group("many machines (MPI: mpiexec -n N python train.py ...; docs/distributed.md)")
+    group.add_argument("--shard", choices=list(SHARDS),
+                       help="what each rank keeps only its 1/N piece of, as ZeRO's stages: none (every rank "
+                            "keeps everything, the default), optimizer (momentum), gradients (momentum and "
+                            "the reduced gradients), weights (all three; a layer's weights are gathered around "
+                            "its steps). The same weights bit for bit in every mode. Needs several ranks, or "
+                            "--plan-only --ranks N")
+    group.add_argument("--ranks", type=positive_int, metavar="N",
+                       help="with --plan-only: the footprint of one of N ranks sharing --batch-size (the global "
+                            "batch) (default: the processes an MPI launcher started, else 1)")
+    group.add_argument("--bucket-size", type=bucket_size, metavar="SIZE",
+                       help="gradients are summed across the ranks in buckets of at most SIZE (a larger "
+                            "parameter alone in its own), each reduced as soon as its layers' backward steps "
+                            f"are done (default {DEFAULT_BUCKET_BYTES // 2**20}MiB, as PyTorch's DDP)")
+    group.add_argument("--rank-timeout", type=positive_seconds, metavar="SECONDS",
+                       help="a rank that waits this long for the others (one died, hangs or stopped) ends the "
+                            f"run with a one-line error (default {DEFAULT_TIMEOUT:g})")
     parser.set_defaults(**dataclasses.asdict(RunOptions()))     # the library's defaults are the flags'
     return parser
 
@@ -287,22 +324,41 @@ def main(argv=None):
         trainer.run()
         return 0
     except MemoryBudgetError as exc:
-        sys.stdout.flush()
-        print(f"train.py: error: --memory-budget: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return _error(trainer, f"--memory-budget: {exc}")
+    except RankTimeoutError as exc:
+        return _error(trainer, str(exc), every_rank=True)
     except MinigistError as exc:
-        sys.stdout.flush()
-        print(f"train.py: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return _error(trainer, str(exc))
     except KeyboardInterrupt:
-        print(f"\ntrain.py: interrupted; {trainer.interrupted_note()}", file=sys.stderr)
-        return 130
+        if trainer.root:
+            print(f"\ntrain.py: interrupted; {trainer.interrupted_note()}", file=sys.stderr)
+        return _leave(trainer, 130, stuck=True)
     except BrokenPipeError:
         try:
             sys.stdout = open(os.devnull, "w")
         except OSError:
             pass
         return 1
+
+
+def _error(trainer, message, every_rank=False):
+    """One line on stderr, exit status 2. In a data-parallel run every rank meets the same bad
+    input and rank 0 alone says so; a rank that waited in vain for the others says it itself."""
+    sys.stdout.flush()
+    if trainer.root or every_rank:
+        print(f"train.py: error: {' '.join(message.split())}", file=sys.stderr)
+    return _leave(trainer, 2, every_rank)
+
+
+def _leave(trainer, status, stuck):
+    """The exit status; a rank that may have left a collective unfinished (`stuck`) exits at
+    once, as MPI's finalization would wait for ranks that are gone, and its launcher stops
+    the rest."""
+    if stuck and trainer.comm is not None and trainer.comm.size > 1:
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

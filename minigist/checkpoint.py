@@ -18,6 +18,7 @@ import zlib
 import numpy as np
 
 from .errors import MinigistError
+from . import onnx_import
 from .gpu.kernels import CounterRNG
 from .prototxt import parse_file
 
@@ -148,7 +149,10 @@ def _canonical(value):
 
 def model_definition(path):
     """[[layer name or '(net)', canonical JSON text], ...] of a model file: the net-level fields
-    first, then every layer in file order. A checkpoint stores it to notice an edited model."""
+    first, then every layer in file order. A checkpoint stores it to notice an edited model.
+    An ONNX file gives its nodes instead (minigist.onnx_import.model_definition)."""
+    if onnx_import.is_onnx(path):
+        return onnx_import.model_definition(path)
     net = parse_file(path)
     header = [[name, _canonical(value)] for name, value, _ in net.fields if name not in ("layer", "layers")]
     out = [["(net)", json.dumps(header, sort_keys=True)]]

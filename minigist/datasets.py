@@ -115,16 +115,19 @@ class Dataset:
             chosen = np.concatenate([chosen, order[:batch_size - len(chosen)]])
         return chosen
 
-    def train_batch(self, indices, rng, crop_pad=0, flip=False):
+    def train_batch(self, indices, rng, crop_pad=0, flip=False, part=None):
         """Augmented, normalized training images and float32 labels for `indices`; the random
-        crop offsets and flips come from `rng`."""
-        images = self.train.images[indices]
+        crop offsets and flips come from `rng`. `part` (a slice of `indices`): only those
+        samples are read, with the draws made for all of `indices`, so that `rng` moves on as
+        for the whole batch (each rank of a data-parallel run reads its part of the global one)."""
+        part = slice(None) if part is None else part
+        images = self.train.images[indices[part]]
         if crop_pad:
-            images = random_crop(images, crop_pad, rng)
+            images = random_crop(images, crop_pad, rng, len(indices), part)
         if flip:
-            flips = rng.random(len(indices)) < 0.5
+            flips = (rng.random(len(indices)) < 0.5)[part]
             images[flips] = images[flips, :, :, ::-1]
-        return self.normalize(images), self.train.labels[indices].astype(np.float32)
+        return self.normalize(images), self.train.labels[indices[part]].astype(np.float32)
 
     def eval_batches(self, split, batch_size, limit=None):
         """(images, labels, real) over a split in order; the last batch is padded with copies
@@ -139,14 +142,16 @@ class Dataset:
             yield (self.normalize(split.images[indices]), split.labels[indices].astype(np.float32), real)
 
 
-def random_crop(images, pad, rng):
+def random_crop(images, pad, rng, drawn=None, part=slice(None)):
     """Each image shifted by up to `pad` pixels in each direction (zero fill), i.e. a random
-    crop of the zero-padded image at the original size."""
+    crop of the zero-padded image at the original size. The offsets are drawn for `drawn`
+    images (None: these) and `part` of them applied (the images of a rank's part of a batch)."""
     n, c, h, w = images.shape
     padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=images.dtype)
     padded[:, :, pad:pad + h, pad:pad + w] = images
-    dy = rng.integers(0, 2 * pad + 1, size=n)
-    dx = rng.integers(0, 2 * pad + 1, size=n)
+    drawn = n if drawn is None else drawn
+    dy = rng.integers(0, 2 * pad + 1, size=drawn)[part]
+    dx = rng.integers(0, 2 * pad + 1, size=drawn)[part]
     out = np.empty_like(images)
     for i in range(n):
         out[i] = padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]

@@ -11,14 +11,16 @@ def arrays_for(arrays, names):
     return [arrays[name] if name is not None else None for name in names]
 
 
-def bind_step(step, arrays, xp, solver, stats=None):
+def bind_step(step, arrays, xp, solver, stats=None, comm=None):
     """A no-argument callable that runs `step` on `arrays` (buffer name -> array). A step that
     carries an `op` (a kind some pass added, e.g. Gist's) is bound by it; `stats` is handed to
-    those ops as it is."""
+    those ops as it is, and the solver and the ranks' communicator `comm` to those whose
+    `needs` name them."""
     args = step.args
     layer = step.layer
     if step.op is not None:
-        return step.op.bind(step, arrays, xp, stats)
+        wanted = {"solver": solver, "comm": comm}
+        return step.op.bind(step, arrays, xp, stats, **{name: wanted[name] for name in getattr(step.op, "needs", ())})
     if step.kind == "forward":
         x, y, p, saved, ws = (arrays_for(arrays, args[role]) for role in ("x", "y", "p", "saved", "ws"))
         return lambda: layer.forward(xp, x, y, p, saved, ws)
@@ -44,10 +46,10 @@ class Executor:
     """Runs a program whose buffers all have fixed places (none and static modes):
     every step is bound once, then `for step in steps: step()`."""
 
-    def __init__(self, program, arrays, xp, solver=None, stats=None):
+    def __init__(self, program, arrays, xp, solver=None, stats=None, comm=None):
         self.program = program
         self.arrays = arrays
-        self.steps = [bind_step(step, arrays, xp, solver, stats) for step in program.steps]
+        self.steps = [bind_step(step, arrays, xp, solver, stats, comm) for step in program.steps]
         self.no_update = [bound for bound, step in zip(self.steps, program.steps) if step.kind != "update"]
 
     def run(self, feed, collect, update=True):
@@ -64,7 +66,7 @@ class DynamicExecutor:
     start there, after it frees those that end there. A step is re-bound only when the pool
     hands its buffers other offsets than last time."""
 
-    def __init__(self, program, plan, arena, base, persistent_arrays, xp, solver, pool, stats=None):
+    def __init__(self, program, plan, arena, base, persistent_arrays, xp, solver, pool, stats=None, comm=None):
         self.program = program
         self.plan = plan
         self.arena = arena
@@ -73,6 +75,7 @@ class DynamicExecutor:
         self.xp = xp
         self.solver = solver
         self.stats = stats
+        self.comm = comm
         self.pool = pool
         self.allocs, self.frees = schedule(plan.groups, len(program.steps))
         self.step_groups = [sorted({plan.group_of[name] for name in step.buffer_names()
@@ -105,7 +108,8 @@ class DynamicExecutor:
                 if self.bound[index] is None or self.bound[index][0] != key:
                     step = program_steps[index]
                     arrays = self._arrays(step.buffer_names(), offsets)
-                    self.bound[index] = (key, bind_step(step, arrays, self.xp, self.solver, self.stats))
+                    self.bound[index] = (key, bind_step(step, arrays, self.xp, self.solver, self.stats,
+                                                                   self.comm))
                 self.bound[index][1]()
             if index < end - 1:
                 for group in self.frees[index]:

@@ -8,6 +8,11 @@ from .errors import LayerSetupError
 def fill(filler, shape, rng, dtype):
     """Return a numpy array of `shape` filled as the FillerParameter dict `filler` says."""
     kind = filler.get("type", "constant")
+    if kind == "values":     # fixed values the model file gives (an ONNX constant operand)
+        values = np.asarray(filler["values"], dtype=dtype)
+        if values.shape != tuple(shape):
+            raise LayerSetupError(f"values of shape {values.shape} given for a parameter of shape {tuple(shape)}")
+        return values.copy()
     count = int(np.prod(shape)) if shape else 1
     if kind == "constant":
         return np.full(shape, filler.get("value", 0.0), dtype=dtype)

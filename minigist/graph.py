@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import prototxt
+from . import onnx_import, prototxt
 from .caffe_schema import V1_TYPE_NAMES
 from .errors import LayerSetupError, ModelFileError
 from .layers import LAYER_TYPES
@@ -181,6 +181,8 @@ def _field_lines(spec, name):
 def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=np.float32,
                 path=None, add_loss=False, input_channels=None, conv=None):
     """Build the Graph of a model file (a path) or of prototxt text (`path` then names it).
+    A path ending in .onnx is read by the ONNX front end (minigist/onnx_import.py), whose
+    nodes become the same layers.
     add_loss=True appends a SoftmaxWithLoss and its label input to a file without a loss
     layer (a deploy file), so that it can be trained (see `_with_added_loss`).
     `input_channels` sets the channel count of data layers whose file states none (Data,
@@ -188,24 +190,31 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
     `conv`: the engine its Convolution layers compute with (None: im2col)."""
     if phase not in ("TRAIN", "TEST"):
         raise ValueError(f"phase must be TRAIN or TEST, got {phase!r}")
-    if path is None:
-        path = str(source)
-        net = prototxt.parse_file(path)
-    else:
-        net = prototxt.parse(source, path)
     if isinstance(input_size, int):
         input_size = (input_size, input_size)
-
     nodes, blobs, current, loss_weights = [], {}, {}, {}
+    if onnx_import.is_onnx(source, path):     # the ONNX front end: specs made as the graph grows
+        path = str(path if path is not None else source)
+        front = onnx_import.OnnxFront(path, phase, batch_size, input_size, lambda name: blobs[current[name]].shape)
+        net, net_name, force_backward, specs = None, front.name, False, front.specs()
+    else:
+        if path is None:
+            path = str(source)
+            net = prototxt.parse_file(path)
+        else:
+            net = prototxt.parse(source, path)
+        net_name, force_backward = net.get("name", ""), bool(net.get("force_backward", False))
+        specs = _layer_specs(net, path, phase)
     data_shape = None
-    specs, added = _layer_specs(net, path, phase), {}
+    added = {}
     if add_loss:
         specs = _with_added_loss(specs, phase, current, blobs, added)
     for spec in specs:
         cls = LAYER_TYPES.get(spec.type)
-        if cls is None:
+        if cls is None or (net is not None and not cls.caffe_type):
+            onnx_only = "" if cls is None else f": ONNX's operator, read from .onnx files, not a Caffe type"
             raise ModelFileError(path, spec.msg.line_of("type"),
-                                 f"unknown layer type '{spec.type}' (layer '{spec.name}')")
+                                 f"unknown layer type '{spec.type}' (layer '{spec.name}'){onnx_only}")
         layer = cls(spec, np.dtype(dtype), conv)
         if not spec.tops and layer.is_loss:
             # Caffe's LossLayer gives a loss layer written without a top an anonymous one
@@ -225,19 +234,21 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
         for name, line in zip(spec.bottoms, bottom_lines):
             if name not in current:
                 raise ModelFileError(path, line, f"layer '{spec.name}': bottom '{name}' "
-                                     + _missing_producer(net, spec, name, phase))
+                                     + (_missing_producer(net, spec, name, phase) if net is not None
+                                        else "is not produced by any earlier layer"))
             bottom_ids.append(current[name])
         try:
             if layer.is_data:
                 layer.override(batch_size, input_size, input_channels)
             top_shapes = layer.setup([blobs[b].shape for b in bottom_ids])
         except LayerSetupError as exc:
-            raise ModelFileError(path, spec.line, str(exc)) from None
+            raise ModelFileError(path, spec.line, _located(spec, exc)) from None
         layer.bottom_shapes = [blobs[b].shape for b in bottom_ids]
         layer.top_shapes = [tuple(int(d) for d in s) for s in top_shapes]
         for shape in layer.top_shapes:
             if any(d <= 0 for d in shape):
-                raise ModelFileError(path, spec.line, f"layer '{spec.name}' ({spec.type}): output shape {shape} is empty; the input is too small for this layer")
+                raise ModelFileError(path, spec.line, _located(spec, f"layer '{spec.name}' ({spec.type}): output shape "
+                                                                     f"{shape} is empty; the input is too small for this layer"))
         index = len(nodes)
         top_ids = []
         top_lines = _field_lines(spec, "top")
@@ -273,10 +284,16 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
         raise ModelFileError(path, 0, f"no layers in phase {phase}")
     if data_shape is None:
         raise ModelFileError(path, 0, "the net has no input or data layer")
-    return Graph(path=path, name=net.get("name", ""), phase=phase, nodes=nodes, blobs=blobs,
+    return Graph(path=path, name=net_name, phase=phase, nodes=nodes, blobs=blobs,
                  loss_weights=loss_weights, batch_size=int(data_shape[0]),
-                 input_shape=tuple(data_shape[1:]), force_backward=bool(net.get("force_backward", False)),
+                 input_shape=tuple(data_shape[1:]), force_backward=force_backward,
                  added_loss=added.get("text", ""))
+
+
+def _located(spec, message):
+    """A layer's error, prefixed with the model-file node it comes from where that is not a
+    layer of its own (an ONNX node)."""
+    return f"{spec.origin}: {message}" if spec.origin else str(message)
 
 
 def _with_added_loss(specs, phase, current, blobs, added):
@@ -286,8 +303,10 @@ def _with_added_loss(specs, phase, current, blobs, added):
     else the first top of the last layer. The labels are a data layer's second top where the
     file has one, else a new label Input of one label per sample. It runs as build_graph
     consumes it, so `current` and `blobs` hold every layer built before the spec it is asked
-    for; `added["text"]` says what it appended."""
-    held, layer_names, data_label = None, set(), None
+    for; `added["text"]` says what it appended. Only a Softmax is held back until the next spec
+    shows it is not the last one: a front end that reads the shapes of what it gave (ONNX's)
+    finds every other spec built when it is asked for the next."""
+    held, last, layer_names, data_label = None, None, set(), None
     for spec in specs:
         cls = LAYER_TYPES.get(spec.type)
         if cls is not None and cls.is_data and spec.type != "Input" and len(spec.tops) == 2 and not data_label:
@@ -298,10 +317,15 @@ def _with_added_loss(specs, phase, current, blobs, added):
         layer_names.add(spec.name)
         if held is not None:
             yield held
-        held = spec
-    if held is None:
+            held = None
+        last = spec
+        if spec.type == "Softmax" and len(spec.bottoms) == 1 and spec.tops != spec.bottoms:
+            held = spec
+        else:
+            yield spec
+    if last is None:
         return
-    if held.type == "Softmax" and len(held.bottoms) == 1 and held.tops != held.bottoms:
+    if held is not None:
         scores = held.bottoms[0]
         chosen = f"'{scores}', the scores that feed the final Softmax '{held.name}'"
         if phase == "TRAIN":
@@ -309,7 +333,7 @@ def _with_added_loss(specs, phase, current, blobs, added):
         else:
             yield held
     else:
-        yield held
+        held = last
         if not held.tops:
             raise ModelFileError(held.path, held.line, f"--add-loss: the last layer '{held.name}' has no top "
                                  "to put a loss on")

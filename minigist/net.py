@@ -5,9 +5,21 @@
     loss = net.train_step(images, labels)      # forward, backward, SGD update (TRAIN phase)
     outputs = net.evaluate(images, labels)    # forward only (TEST phase): {"accuracy": ..}
 
+The model is a Caffe .prototxt or an ONNX .onnx file (minigist/onnx_import.py). An ONNX file's
+initializers are its starting weights; `initializers=False` starts from the layers' fillers
+instead.
+
 One arena holds everything: the persistent part (weights, their gradients, momentum) first,
 then the per-iteration part, which the training and the evaluation program share because they
 never run at the same time.
+
+Data parallelism: given `comm`, a communicator of several ranks (minigist.comm: MPI through
+mpi4py, NCCL on GPUs, threads), every rank builds the same Net: `batch_size` is the global
+batch, each rank trains on its share (`net.batch_size`) and feeds `train_step` its own
+images; gradients are summed across the ranks and every rank ends each step with the same
+weights. `shard` keeps the optimizer state, the gradients or the weights in pieces, one per
+rank (passes/reduce.py). `state()` and `restore()` then gather and scatter the pieces: every
+rank calls them together.
 
 The convolution engine: `conv="im2col"` (the library's default: minigist's own, numpy + BLAS,
 so that a plan and its footprint do not depend on what is installed or on the blocked layouts
@@ -42,7 +54,8 @@ from .memory.available import check_fits
 from .memory.pool import Pool
 from .memory.report import footprint_report
 from .passes.gist_steps import GistStats
-from .pipeline import Options, build, compile, report_extra, set_chunks, with_evaluation
+from .passes.reduce import DEFAULT_BUCKET_BYTES
+from .pipeline import Options, build, compile, per_rank, report_extra, set_chunks, with_evaluation
 from .program import param_buffer_names
 from .sgd import SGD
 
@@ -57,17 +70,28 @@ class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
-                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(), plan=None):
-        self.options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels,
-                               device=device, dtype=dtype, conv=conv, alloc=alloc, gist=gist, dpr=dpr,
-                               binarize=binarize, overrides=gist_overrides, update=update, budget=memory_budget,
-                               densities=ssdc_density, add_loss=add_loss, recompute=recompute)
+                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(), comm=None,
+                 shard="none", bucket_bytes=DEFAULT_BUCKET_BYTES, initializers=True, plan=None):
+        self.comm = comm
+        ranks = comm.size if comm is not None else 1
+        if shard != "none" and comm is None:
+            raise MinigistError(f"--shard {shard}: sharding splits the state among ranks; it needs a communicator "
+                                f"(comm=...), as a run under mpiexec has")
+        if plan is not None and comm is not None:
+            raise MinigistError("plan: minigist.optimize plans one process's program, not a rank's share of a "
+                                "data-parallel batch")
+        self.options = per_rank(model, Options(
+            batch_size=batch_size, input_size=input_size, input_channels=input_channels, device=device, dtype=dtype,
+            conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, overrides=gist_overrides, update=update,
+            budget=memory_budget, densities=ssdc_density, add_loss=add_loss, recompute=recompute, ranks=ranks,
+            shard=shard, bucket_bytes=bucket_bytes))
         if plan is not None:    # minigist.optimize's plan: its settings and decisions win
             self.options = plan.options.replace(device=device, dtype=dtype, budget=memory_budget)
         self.optimized = plan if hasattr(plan, "decisions") else None
         self.xp = get_xp(device)
         self.dtype = self.options.dtype
         self.seed = seed
+        self.initializers = bool(initializers)     # start from the file's weights where it gives them (ONNX)
         self.model = str(model)
         built = {phase: build(model, self.options, phase) for phase in ("TRAIN", "TEST")}
         self.graphs = {phase: graph for phase, (graph, _) in built.items()}
@@ -95,6 +119,7 @@ class Net:
     plans = property(lambda self: {key: compiled.plan for key, compiled in self.compiled.items()})
 
     # the settings, as the options hold them
+    batch_size = property(lambda self: self.train_graph.batch_size)     # this rank's share of the batch
     gist = property(lambda self: self.options.gist_config())
     alloc = property(lambda self: self.options.alloc)
     update = property(lambda self: self.options.update)
@@ -176,6 +201,10 @@ class Net:
         finally:
             self._set_layer_rng(self.rng)
         measured = dict(self.stats.density)
+        if self.comm is not None and measured:   # every rank plans for the densest batch any rank saw
+            names = sorted(measured)
+            seen = self.comm.gather_values([measured[name] for name in names], "measured densities").max(axis=0)
+            measured = {name: float(value) for name, value in zip(names, seen)}
         self.stats = GistStats()
         self.set_densities({name: min(1.0, density * (1.0 + margin)) for name, density in measured.items()})
         self.restore(keep)
@@ -220,7 +249,8 @@ class Net:
             self.pool = Pool(limit=limit, limit_note=note)
             for key, program in self.programs.items():
                 self.executors[key] = DynamicExecutor(program, self.plans[key], self.arena, self.persistent_bytes,
-                                                      self.arrays, self.xp, self.solver, self.pool, self.stats)
+                                                      self.arrays, self.xp, self.solver, self.pool, self.stats,
+                                                      self.comm)
             return
         self.pool = None
         for key, program in self.programs.items():
@@ -228,7 +258,7 @@ class Net:
             arrays = {name: self.arrays[name] if buffer.persistent else
                       views(self.persistent_bytes + plan.offset(name), buffer.shape, buffer.dtype)
                       for name, buffer in program.buffers.items()}
-            self.executors[key] = Executor(program, arrays, self.xp, self.solver, self.stats)
+            self.executors[key] = Executor(program, arrays, self.xp, self.solver, self.stats, self.comm)
 
     def _set_layer_rng(self, rng):
         for graph in self.graphs.values():
@@ -236,6 +266,8 @@ class Net:
                 layer.rng = rng
 
     def _make_rng(self, seed):
+        if self.comm is not None:   # each rank its own stream (Dropout's masks), rank 0 a single process's
+            seed += 1000003 * self.comm.rank
         if self.xp is np:
             return np.random.default_rng(seed)
         # Dropout's masks on the GPU: a counter-based stream drawn inside its kernel, whose
@@ -252,15 +284,65 @@ class Net:
         return list(seen.values())
 
     def _init_params(self, seed):
+        """The file's initial values (ONNX initializers, unless `initializers=False`) or the
+        fillers' values, drawn in layer order whether this rank keeps a tensor whole or a piece
+        of it; gradients and momentum zero."""
         rng = np.random.default_rng(seed)
+        weights = {key: (array, slot) for key, array, _, slot in self._tensors() if not key.startswith("momentum:")}
+        for layer in self._param_layers():
+            for decl in layer.params:
+                key = f"{layer.name}.{decl.name}"
+                if key in weights:
+                    if decl.initial is not None and self.initializers:
+                        value = np.asarray(decl.initial, dtype=self.dtype)
+                    else:
+                        value = fill(decl.filler, decl.shape, rng, self.dtype)
+                    self._put(*weights[key], value)
+        for name, array in self.arrays.items():
+            if name.split(":")[0] in ("pgrad", "momentum", "mshard", "gshard"):
+                array.fill(0)
+
+    @property
+    def distribution(self):
+        """How the ranks split the parameters (passes/reduce.py's Distribution), or None."""
+        return self.compiled["train"].program.distributed
+
+    def _tensors(self):
+        """(state key, live array, the whole tensor's shape, Slot or None) of every tensor
+        `state()` holds: weights ("layer.param"), then momentum ("momentum:layer.param"); a
+        Slot when the array is this rank's piece of the tensor."""
+        slots = self.distribution.slots if self.distribution is not None else {}
+        weights, momenta = [], []
         for layer in self._param_layers():
             for index, decl in enumerate(layer.params):
-                weight, grad, momentum = param_buffer_names(layer, index)
-                if weight in self.arrays:
-                    self.arrays[weight][...] = self.xp.asarray(fill(decl.filler, decl.shape, rng, self.dtype))
-                for name in (grad, momentum):
-                    if name in self.arrays:
-                        self.arrays[name].fill(0)
+                key = f"{layer.name}.{decl.name}"
+                weight, _, momentum = param_buffer_names(layer, index)
+                for out, label, whole, piece in ((weights, key, weight, f"wshard:{key}"),
+                                                 (momenta, f"momentum:{key}", momentum, f"mshard:{key}")):
+                    if whole in self.arrays:
+                        out.append((label, self.arrays[whole], decl.shape, None))
+                    elif piece in self.arrays:
+                        out.append((label, self.arrays[piece], decl.shape, slots[key]))
+        return weights + momenta
+
+    def _put(self, array, slot, value):
+        """Write the whole tensor `value` (host) into `array`, or this rank's piece of it."""
+        if slot is None:
+            array[...] = self.xp.asarray(value, dtype=array.dtype)
+            return
+        start, stop = slot.span(self.comm.rank)
+        array[:stop - start] = self.xp.asarray(np.ravel(value)[start:stop], dtype=array.dtype)
+        array[stop - start:].fill(0)
+
+    def _whole(self, array, shape, slot):
+        """A numpy copy of the whole tensor: the array itself, or every rank's piece gathered
+        (a collective: every rank calls it)."""
+        if slot is None:
+            return to_numpy(array).copy()
+        ranks = self.comm.size
+        counts = [slot.span(rank)[1] - slot.span(rank)[0] for rank in range(ranks)]
+        mine = to_numpy(array[:counts[self.comm.rank]])
+        return self.comm.allgather_pieces(mine, counts, f"the state ({slot.key})").reshape(shape)
 
     # ---- running ------------------------------------------------------------------------
     def _feeder(self, key, inputs):
@@ -337,6 +419,8 @@ class Net:
         with self._threads():
             loss = self.executors["train"].run(self._feeder("train", inputs), self._weighted_loss("train"))
         self._check_ssdc_fit()
+        if self.comm is not None and self.comm.size > 1:     # the global batch's: every rank the same
+            loss = self.comm.mean_of(loss)
         return loss
 
     def _check_ssdc_fit(self):
@@ -383,18 +467,27 @@ class Net:
 
     # ---- parameters ---------------------------------------------------------------------
     def params(self):
-        """{"layer.param": array} of every parameter (learned and state), live views."""
+        """{"layer.param": array} of every parameter (learned and state), live views. With the
+        weights sharded (shard="weights") no rank holds them whole: `state()` gathers them."""
         out = {}
-        for layer in self._param_layers():
-            for index, decl in enumerate(layer.params):
-                out[f"{layer.name}.{decl.name}"] = self.arrays[param_buffer_names(layer, index)[0]]
+        for key, array, _, slot in self._tensors():
+            if key.startswith("momentum:"):
+                continue
+            if slot is not None:
+                raise MinigistError("the weights are sharded among the ranks (shard='weights'): no rank holds them "
+                                    "whole; net.state() gathers them")
+            out[key] = array
         return out
 
     def grads(self):
-        """{"layer.param": gradient array} of the trained parameters after a backward pass."""
+        """{"layer.param": gradient array} of the trained parameters after a backward pass
+        (summed over the ranks, in a data-parallel net)."""
         if self.update == "fused":
             raise MinigistError("weight gradients are not kept with update='fused' (each is freed as soon as "
                                 "it is applied); build the Net with update='separate' to read them")
+        if self.distribution is not None and self.distribution.shard in ("gradients", "weights"):
+            raise MinigistError(f"the reduced weight gradients are kept in pieces, one per rank "
+                                f"(shard='{self.distribution.shard}'); shard='none' or 'optimizer' keeps them whole")
         out = {}
         for layer in self._param_layers():
             for index, decl in enumerate(layer.params):
@@ -404,52 +497,38 @@ class Net:
         return out
 
     def state(self):
-        """Weights and momentum as numpy arrays: what a checkpoint needs to resume exactly."""
-        out = {key: to_numpy(value).copy() for key, value in self.params().items()}
-        for layer in self._param_layers():
-            for index, decl in enumerate(layer.params):
-                name = param_buffer_names(layer, index)[2]
-                if name in self.arrays:
-                    out[f"momentum:{layer.name}.{decl.name}"] = to_numpy(self.arrays[name]).copy()
-        return out
+        """Weights and momentum as numpy arrays: what a checkpoint needs to resume exactly.
+        Pieces kept by the ranks are gathered whole: every rank calls it, and every rank gets it."""
+        return {key: self._whole(array, shape, slot) for key, array, shape, slot in self._tensors()}
 
     def save(self, path, with_momentum=False):
         """Write the weights (and momentum) to a .npz file atomically, with a digest of the
-        arrays that `load` checks."""
-        arrays = self.state() if with_momentum else {k: to_numpy(v) for k, v in self.params().items()}
+        arrays that `load` checks (every rank calls it in a data-parallel net; call it on one)."""
+        arrays = {key: value for key, value in self.state().items()
+                  if with_momentum or not key.startswith("momentum:")}
         save_npz_atomic(path, with_digest(arrays))
 
     def load(self, path):
         """Read weights (and momentum, if present) from a .npz written by `save` (its digest
         checked) or by np.savez."""
         values = read_npz(path, "weights file")
-        targets = self._state_targets()
-        missing = [k for k in self.params() if k not in values]
+        targets = {key: shape for key, _, shape, _ in self._tensors()}
+        missing = [k for k in targets if not k.startswith("momentum:") and k not in values]
         if missing:
             raise MinigistError(f"{path}: no values for {', '.join(missing[:5])}")
         for key, value in values.items():
             if key not in targets:
                 raise MinigistError(f"{path}: '{key}' is not a parameter of {self.model}")
-            if tuple(value.shape) != tuple(targets[key].shape):
-                raise MinigistError(f"{path}: '{key}' has shape {value.shape}, the net needs {targets[key].shape}")
-            targets[key][...] = self.xp.asarray(value)
-
-    def _state_targets(self):
-        """{key: live array} for every key that `state()` writes."""
-        targets = dict(self.params())
-        for layer in self._param_layers():
-            for index, decl in enumerate(layer.params):
-                name = param_buffer_names(layer, index)[2]
-                if name in self.arrays:
-                    targets[f"momentum:{layer.name}.{decl.name}"] = self.arrays[name]
-        return targets
+            if tuple(value.shape) != tuple(targets[key]):
+                raise MinigistError(f"{path}: '{key}' has shape {value.shape}, the net needs {tuple(targets[key])}")
+        self.restore(values)
 
     def restore(self, values):
         """Write {key: array} as `state()` gives it (weights, running statistics, momentum)
-        back into the net."""
-        targets = self._state_targets()
+        back into the net: each rank takes its piece of what it keeps in pieces."""
+        tensors = {key: (array, slot) for key, array, _, slot in self._tensors()}
         for key, value in values.items():
-            targets[key][...] = self.xp.asarray(value)
+            self._put(*tensors[key], value)
 
     # ---- description --------------------------------------------------------------------
     def summary(self):

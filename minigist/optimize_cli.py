@@ -181,6 +181,8 @@ def fit_training_net(net, batch, args, out=print):
     if args.memory_budget is None:
         raise MinigistError("--optimize: a training run needs --memory-budget SIZE (without one, --plan-only "
                             "prints the frontier)")
+    if net.comm is not None:
+        raise MinigistError("--optimize plans one process's program, not a rank's share of a data-parallel batch")
     cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out)
     optimizer = Optimizer(net.model, net.options.replace(budget=None), cost, lossy=args.gist == "all")
     plan = optimizer.fit(args.memory_budget)

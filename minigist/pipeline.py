@@ -6,7 +6,7 @@ and train.py.
 
 `compile` builds the graph of one phase (or takes one already built), runs the passes in
 order (passes/backward.py, then for training passes/recompute.py and passes/gist.py, then
-passes/inplace.py) and
+passes/inplace.py and passes/reduce.py) and
 plans the program's memory. Options is frozen: a changed setting (densities measured by a
 calibration, a new budget) is a new Options, and a new compile.
 """
@@ -26,6 +26,7 @@ from .passes.backward import build_program
 from .passes.gist import apply_gist
 from .passes.inplace import mark_inplace
 from .passes.recompute import apply_recompute
+from .passes.reduce import DEFAULT_BUCKET_BYTES, SHARDS, apply_reduce
 
 UPDATES = ("separate", "fused")
 CONV_ENGINES = Convolution.ENGINES
@@ -44,10 +45,12 @@ class Options:
     largest fraction of non-zeros SSDC plans for}; budget: bytes the plan must fit (None: no
     limit); conv: an engine of CONV_CHOICES ("auto" is settled by `resolve_conv`); recompute:
     stashed tensors (buffer.tensor names, e.g. "conv1@relu1") dropped after the forward pass
-    and rebuilt before their backward use (passes/recompute.py); chunk_bytes: the batch-chunk
-    target of every layer that works in chunks (None: each layer's own; smaller chunks shrink
-    the workspace, and change how the sums over a batch round: a choice of the optimizer under
-    lossy modes only)."""
+    and rebuilt before their backward use (passes/recompute.py); ranks, shard, bucket_bytes:
+    the program of one of `ranks` data-parallel ranks (passes/reduce.py), `batch_size` then
+    being each rank's share of the global batch; chunk_bytes: the batch-chunk target of every
+    layer that works in chunks (None: each layer's own; smaller chunks shrink the workspace,
+    and change how the sums over a batch round: a choice of the optimizer under lossy modes
+    only)."""
     batch_size: int = None
     input_size: int = None
     input_channels: int = None
@@ -64,6 +67,9 @@ class Options:
     densities: tuple = field(default=())
     add_loss: bool = False
     recompute: tuple = field(default=())
+    ranks: int = 1
+    shard: str = "none"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     chunk_bytes: int = None
 
     def __post_init__(self):
@@ -79,6 +85,10 @@ class Options:
             raise MinigistError(f"--update: expected one of {', '.join(UPDATES)}, got {self.update!r}")
         if self.conv not in CONV_CHOICES:
             raise MinigistError(f"--conv: expected one of {', '.join(CONV_CHOICES)}, got {self.conv!r}")
+        if self.shard not in SHARDS:
+            raise MinigistError(f"--shard: expected one of {', '.join(SHARDS)}, got {self.shard!r}")
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, (int, np.integer)) or self.ranks < 1:
+            raise MinigistError(f"--ranks: expected a positive integer, got {self.ranks!r}")
         self.gist_config()
 
     def gist_config(self):
@@ -136,13 +146,16 @@ def run_passes(graph, options, phase="TRAIN", calibrating=False):
     """The passes in order: the backward program (an inference program for TEST), the
     recomputation of `options.recompute` and Gist's schedule (training only; before Gist, so
     that Gist encodes nothing that is recomputed; `calibrating` plans every SSDC candidate at
-    full capacity so that a run can measure its density), then the in-place pairs."""
+    full capacity so that a run can measure its density), the in-place pairs, then the
+    reduction across `options.ranks` ranks (last: it adds steps around the others' and storage
+    pairs of its own)."""
     train = phase == "TRAIN"
     program = build_program(graph, train=train, fused_update=options.update == "fused")
     if train:
         program = apply_recompute(program, options.recompute)
         program = apply_gist(program, options.gist_config(), calibrating)
-    return mark_inplace(program)
+    program = mark_inplace(program)
+    return apply_reduce(program, options.ranks, options.shard, options.bucket_bytes)
 
 
 def compile(model, options=Options(), phase="TRAIN", graph=None, calibrating=False):
@@ -194,14 +207,37 @@ def report_extra(config, update, conv, graph):
 
 def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
                    gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
-                   conv="im2col", add_loss=False, input_channels=None, recompute=()):
+                   conv="im2col", add_loss=False, input_channels=None, recompute=(), ranks=1, shard="none",
+                   bucket_bytes=DEFAULT_BUCKET_BYTES):
     """The footprint report of one training iteration, computed from shapes alone: no array
     is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
-    (measured densities: a plan cannot see data)."""
+    (measured densities: a plan cannot see data). With `ranks` > 1: one rank's, `batch_size`
+    (None: the model file's) being the global batch the ranks share (passes/reduce.py)."""
     options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels, dtype=dtype,
                       conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, update=update,
-                      densities=ssdc_density, add_loss=add_loss, recompute=recompute)
-    return plan_report(model, options)
+                      densities=ssdc_density, add_loss=add_loss, recompute=recompute, ranks=ranks, shard=shard,
+                      bucket_bytes=bucket_bytes)
+    return plan_report(model, per_rank(model, options))
+
+
+def split_batch(global_batch, ranks):
+    """Each rank's share of `global_batch`; a one-line error when the ranks cannot divide it."""
+    if global_batch % ranks:
+        raise MinigistError(f"--batch-size: the global batch of {global_batch} cannot be split evenly among "
+                            f"{ranks} ranks (give a multiple of {ranks})")
+    return global_batch // ranks
+
+
+def per_rank(model, options):
+    """`options` with `batch_size` taken as the global batch (None: the model file's TRAIN
+    batch) and replaced by one rank's share of it."""
+    if options.ranks == 1:
+        return options
+    global_batch = options.batch_size
+    if global_batch is None:
+        global_batch = build_graph(model, "TRAIN", None, options.input_size, options.dtype, add_loss=options.add_loss,
+                                   input_channels=options.input_channels).batch_size
+    return options.replace(batch_size=split_batch(global_batch, options.ranks))
 
 
 def plan_report(model, options):

@@ -1,7 +1,7 @@
 """The data the passes exchange: a Program is a flat list of Steps over typed Buffers.
 
-A buffer's id is typed: `kind` (blob, saved, grad, zero, param, pgrad, momentum, ws, and the
-Gist pass's enc and dec), `tensor` (the blob, or "layer.name" of what a layer owns) and
+A buffer's id is typed: `kind` (blob, saved, grad, zero, param, pgrad, momentum, ws, the
+Gist pass's enc and dec, and the reduce pass's bucket, gather and shards), `tensor` (the blob, or "layer.name" of what a layer owns) and
 `part`; its `name` is the label reports and array maps use, never parsed. Every buffer
 carries its shape, dtype and category, and after `compute_liveness` its first_use and
 last_use step, which is all a memory planner needs. The passes (minigist/passes/) build and
@@ -22,8 +22,9 @@ FEATURE = "feature"
 GRADIENT = "gradient"
 WORKSPACE = "workspace"
 ENCODED = "encoded"
+COMMUNICATION = "communication"     # buckets the ranks reduce gradients in (passes/reduce.py)
 CATEGORIES = (WEIGHTS, WEIGHT_GRADS, OPTIMIZER_STATE, INPUT, STASH, FEATURE, GRADIENT,
-              WORKSPACE, ENCODED)
+              WORKSPACE, ENCODED, COMMUNICATION)
 PERSISTENT_CATEGORIES = (WEIGHTS, WEIGHT_GRADS, OPTIMIZER_STATE)
 UPDATE_CHUNK = 1 << 18      # elements the SGD update handles at a time
 
@@ -71,7 +72,8 @@ class Step:
     pass adds (Gist's encode and decode); `args` maps each role (x, y, gy, gx, p, gp, saved,
     ws, ...) to buffer names (lists, dicts or None). A step with an `op` runs as the op binds
     it (`op.bind(step, arrays, xp, stats)`): how a pass changes what a step does without the
-    executor knowing the pass."""
+    executor knowing the pass. An op that also needs the solver or the ranks' communicator
+    names them in `op.needs` ("solver", "comm") and gets them as keywords of `bind`."""
     kind: str
     layer: object = None
     args: dict = field(default_factory=dict)
@@ -100,6 +102,7 @@ class Program:
         self.loss_weights = loss_weights  # buffer name -> weight
         self.encodings = {}             # stashed buffer -> Encoding (filled by the Gist pass)
         self.inplace = None             # (input, output) pairs sharing storage (the in-place pass)
+        self.distributed = None         # how the ranks split the parameters (the reduce pass)
         self.compute_liveness()
 
     @property

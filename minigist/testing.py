@@ -23,6 +23,22 @@ def make_layer(text, bottom_shapes, dtype=np.float64, phase="TRAIN", engine=None
     return layer
 
 
+def make_layer_from(type_name, bottom_shapes, fields=None, initial=None, dtype=np.float64, phase="TRAIN"):
+    """Build and set up a layer of `type_name` from a dict of its message's fields ({"clip_param":
+    {"min": 0.0}}: what a front end that is not prototxt text gives, as the ONNX one does) and
+    {param name: starting value} for `initial`."""
+    from .layers.base import LayerSpec
+    from .onnx_import import _msg
+    msg = _msg("LayerParameter", {"name": "layer", "type": type_name, **(fields or {})})
+    spec = LayerSpec(name="layer", type=type_name, bottoms=[f"x{i}" for i in range(len(bottom_shapes))],
+                     tops=["y"], msg=msg, path="<test>", line=0, phase=phase, initial=dict(initial or {}))
+    layer = LAYER_TYPES[type_name](spec, np.dtype(dtype))
+    shapes = [tuple(s) for s in bottom_shapes]
+    layer.top_shapes = [tuple(int(d) for d in s) for s in layer.setup(shapes)]
+    layer.bottom_shapes = shapes
+    return layer
+
+
 def _empty(decl_shape, dtype, xp):
     array = xp.empty(decl_shape, dtype=dtype)
     if np.dtype(dtype).kind == "f":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import json
 import math
 import os
@@ -18,20 +19,22 @@ import time
 
 import numpy as np
 
-from . import SGD, blas, datasets, jit, onednn     # SGD by its public name, wherever its module is
+from . import SGD, blas, datasets, distributed, jit, onednn     # SGD by its public name, wherever its module is
 from .backend import get_xp
 from .checkpoint import (CHECKPOINT_FORMAT, RESUME_CHANGEABLE, RESUME_KEYS, apply_checkpoint_config,
                          checkpoint_iteration, checkpoint_path, json_default, model_change, model_definition,
                          prepare_checkpoint_folder, read_checkpoint, remove_stale_temporaries, restore_state,
                          write_checkpoint)
 from .codecs import kernels as codec_kernels
+from .comm import DEFAULT_TIMEOUT, RankTimeoutError
 from .densities import MARGIN, planned, read_densities
 from .errors import MemoryBudgetError, MinigistError
 from .graph import build_graph
 from .memory.available import check_fits
 from .memory.report import format_report, write_json
 from .net import Net, default_threads, summary
-from .pipeline import Options, compile, plan_report, resolve_conv
+from .passes.reduce import DEFAULT_BUCKET_BYTES
+from .pipeline import Options, compile, per_rank, plan_report, resolve_conv, split_batch
 
 # the bundled model files sit next to train.py, at the top of a checkout
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
@@ -61,6 +64,7 @@ class RunOptions:
     input_size: int | None = None
     batch_size: int | None = None
     add_loss: bool = False
+    ignore_initializers: bool = False
     input_channels: int | None = None
     crop_pad: int | None = None
     flip: str = "auto"
@@ -97,6 +101,10 @@ class RunOptions:
     plot: str | None = None
     trace: str | None = None
     summary: bool = False
+    ranks: int | None = None
+    shard: str = "none"
+    bucket_size: int = DEFAULT_BUCKET_BYTES
+    rank_timeout: float = DEFAULT_TIMEOUT
     optimize: bool = False
     measure_rates: bool = False
 
@@ -107,8 +115,8 @@ def bundled_models():
 
 
 def resolve_model(name):
-    """A bundled model name or a path to a .prototxt file."""
-    if os.path.sep in name or name.endswith(".prototxt"):
+    """A bundled model name or a path to a .prototxt or .onnx file."""
+    if os.path.sep in name or name.endswith((".prototxt", ".onnx")):
         if not os.path.isfile(name):
             raise MinigistError(f"--model: file not found: {name}")
         return name
@@ -368,7 +376,7 @@ def resolve_engine(args, given, resumed, environment_defaults=frozenset()):
     elif resumed and args.threads is not None:
         source = "the checkpoint's --threads"
     else:
-        args.threads = default_threads(args.conv)
+        args.threads = distributed.threads_per_rank(default_threads(args.conv))
         variable = "OMP_NUM_THREADS" if args.conv == "onednn" else "OPENBLAS_NUM_THREADS"
         from_environment = variable in os.environ and variable not in environment_defaults
         source = f"{variable} in the environment" if from_environment else f"the default for --conv {args.conv}"
@@ -402,23 +410,24 @@ def gist_kwargs(args):
     return {"gist": args.gist, "dpr": args.dpr, "update": args.update, "conv": args.conv}
 
 
-def compile_options(args, alloc=None, gist=None):
+def compile_options(path, args, alloc=None, gist=None):
     """The pipeline's Options for a run's settings (SSDC planned from the densities settled by
-    `choose_densities`, none where it found none)."""
-    return Options(batch_size=args.batch_size, input_size=args.input_size, input_channels=args.input_channels,
-                   conv=args.conv, alloc=alloc or args.alloc, gist=args.gist if gist is None else gist,
-                   dpr=args.dpr, update=args.update, densities=getattr(args, "ssdc_density", None),
-                   add_loss=args.add_loss)
+    `choose_densities`, none where it found none): one rank's, where there are several."""
+    return per_rank(path, Options(
+        batch_size=args.batch_size, input_size=args.input_size, input_channels=args.input_channels, conv=args.conv,
+        alloc=alloc or args.alloc, gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update,
+        densities=getattr(args, "ssdc_density", None), add_loss=args.add_loss, ranks=getattr(args, "ranks", None) or 1,
+        shard=getattr(args, "shard", "none"), bucket_bytes=getattr(args, "bucket_size", DEFAULT_BUCKET_BYTES)))
 
 
 def plan_for(path, args, alloc=None, gist=None):
     """The footprint report from shapes alone."""
-    return plan_report(path, compile_options(args, alloc, gist))
+    return plan_report(path, compile_options(path, args, alloc, gist))
 
 
 def shapes_only_plan(path, args):
     """The MemoryPlan of the training program, from shapes alone (for --plan-only plots)."""
-    return compile(path, compile_options(args)).plan
+    return compile(path, compile_options(path, args)).plan
 
 
 def choose_densities(path, args):
@@ -510,11 +519,19 @@ class Trainer:
     with every line meant for a person. `check_config(config)`: raises ValueError for a
     checkpoint's configuration value out of range (train.py checks them by its flags' rules).
     `environment_defaults`: the thread variables the caller put in the environment itself.
+    `comm`: the ranks' communicator of a data-parallel run (minigist.comm); None: one process,
+    or the MPI ranks a launcher started this process among (minigist.distributed). Rank 0
+    prints, logs and writes the checkpoint.
     """
 
     def __init__(self, options, given=(), command_line=(), out=print, check_config=None,
-                 environment_defaults=frozenset()):
+                 environment_defaults=frozenset(), comm=None):
         self.args = copy.copy(options)
+        for key in ("ranks", "shard", "bucket_size", "rank_timeout"):     # an older caller's options
+            if not hasattr(self.args, key):
+                setattr(self.args, key, getattr(RunOptions, key))
+        self.comm = comm
+        self.root = True
         self.given = set(given)
         self.command_line = list(command_line)
         self.out = out
@@ -529,6 +546,7 @@ class Trainer:
         "training" entry; None for summary); bad input raises MinigistError."""
         args = self.args
         np.seterr(all="ignore")     # overflow shows up as a non-finite loss or weight, reported in one line
+        self._open_ranks()
         resumed = self._open_checkpoint()
         schedule_change, threads_from = self._settle_options(resumed)
         path = resolve_model(args.model)
@@ -545,6 +563,18 @@ class Trainer:
             return self._plan_only(path)
         return self._train(path, resumed, schedule_change, threads_from)
 
+    def _open_ranks(self):
+        """The ranks of a data-parallel run (minigist.distributed.open_ranks); only rank 0 speaks."""
+        args = self.args
+        if self.comm is None:
+            self.comm = distributed.open_ranks(args, args.plan_only or args.summary)
+        else:
+            args.ranks = self.comm.size
+        rank = self.comm.rank if self.comm is not None else distributed.launched_rank()
+        self.root = rank == 0
+        if not self.root:
+            self.out = lambda *lines, **keywords: None
+
     def _open_checkpoint(self):
         """The flags' checks against the checkpoint folder, before anything else runs; returns
         the checkpoint to resume (read_checkpoint's triple) or None."""
@@ -558,7 +588,8 @@ class Trainer:
         if args.checkpoint:
             if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
                 raise MinigistError(f"--checkpoint: {args.checkpoint} exists and is not a folder")
-            remove_stale_temporaries(args.checkpoint)
+            if self.root:
+                remove_stale_temporaries(args.checkpoint)
         present = bool(args.checkpoint) and os.path.exists(checkpoint_path(args.checkpoint))
         wanted = args.resume or args.resume_if_present
         resumed = read_checkpoint(args.checkpoint, self.check_config) if wanted and present else None
@@ -614,6 +645,8 @@ class Trainer:
         out(format_report(report))
         if densities_line:
             out(densities_line)
+        if not self.root:
+            return report
         if args.report_json:
             write_json(report, args.report_json)
         if args.plot or args.trace:
@@ -629,6 +662,9 @@ class Trainer:
             args.input_channels = input_channels_for(path, args, True, out)
             graph = build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,
                                 input_channels=args.input_channels)
+            if args.ranks > 1:      # each rank's share of the global batch
+                graph = build_graph(path, "TRAIN", split_batch(graph.batch_size, args.ranks), args.input_size,
+                                    add_loss=args.add_loss, input_channels=args.input_channels)
         except MinigistError as exc:
             if args.input_size is None:
                 raise
@@ -644,7 +680,7 @@ class Trainer:
             if change:
                 out(f"--allow-model-change: resuming with the edited model ({change})")
                 schedule_change["model"] = change
-        if args.checkpoint:
+        if args.checkpoint and self.root:
             prepare_checkpoint_folder(args.checkpoint)
         classes = _class_count(graph, args.model)
         try:
@@ -666,13 +702,15 @@ class Trainer:
                   seed=args.seed, solver=solver, alloc=args.alloc, threads=args.threads,
                   input_channels=args.input_channels,
                   memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
-                  **gist_kwargs(args))
+                  comm=self.comm, shard=args.shard, bucket_bytes=args.bucket_size,
+                  initializers=not args.ignore_initializers, **gist_kwargs(args))
         if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
             raise MinigistError(f"--memory-budget: the weights and optimizer state alone need {net.persistent_bytes:,} "
                                 f"bytes, the budget allows {args.memory_budget:,} bytes")
         set_bn_average(net, args.bn_average)
         graph = net.train_graph
-        batch = graph.batch_size
+        batch = graph.batch_size * args.ranks       # the global batch
+        part = distributed.rank_part(self.comm, graph.batch_size)     # what this rank reads of it
         # the batch size stays as given (None: each phase its file's), so that a resumed run
         # evaluates at the TEST phase's batch size as the first run did
         args.input_size = graph.input_shape[-1]
@@ -706,7 +744,7 @@ class Trainer:
         if calibrates:
             calib_rng = np.random.default_rng(args.seed + 7919)
             picks = [data.epoch_batch(calib_rng.permutation(len(data.train)), 0, batch) for _ in range(3)]
-            calibration = [data.train_batch(p, calib_rng) for p in picks]
+            calibration = [data.train_batch(p, calib_rng, part=part) for p in picks]
             net.calibrate(calibration, margin=MARGIN)
             measured_densities = f"measured on {len(picks)} training batches"
             if args.optimize:       # the plan that fits the budget, chosen with the measured densities
@@ -717,7 +755,7 @@ class Trainer:
         if resumed is not None:
             restore_state(net, values, checkpoint_path(args.checkpoint))
             set_rng_state(data_rng, meta["data_rng"])
-            set_rng_state(net.rng, meta["net_rng"])
+            set_rng_state(net.rng, distributed.rank_stream(meta, self.comm))
             iteration, epoch, batch_in_epoch = meta["iteration"], meta["epoch"], meta["batch_in_epoch"]
             history = meta.get("history", [])
             changes = meta["changes"] + ([dict(schedule_change, iteration=iteration)] if schedule_change else [])
@@ -737,6 +775,9 @@ class Trainer:
         out(f"model {args.model}: {graph.param_count():,} parameters, batch {(batch,) + tuple(graph.input_shape)}, "
             f"{classes} classes, device {args.device}, footprint {_mib(report['footprint_bytes'])} "
             f"({args.alloc}, gist {args.gist}, conv {net.conv})")
+        if self.comm is not None:
+            out(f"ranks: {self.comm.describe()}, {graph.batch_size} images each, shard {args.shard}; the footprint "
+                f"is each rank's")
         if graph.added_loss:
             out(f"added loss: {graph.added_loss}")
         out(f"layers: {jit.describe(net.xp)}")
@@ -751,10 +792,10 @@ class Trainer:
         out(f"data {data.describe()}; crop pad {args.crop_pad}, flip {args.flip}; {total} iterations "
             f"({ipe} per epoch), lr {args.lr:g}{schedule}")
 
-        log = Log(args.log, append=resumed is not None)
+        log = Log(args.log if self.root else None, append=resumed is not None)
         log.write("start", config=config, resumed_at=iteration, data=data.describe(),
                   footprint_bytes=report["footprint_bytes"])
-        progress = Progress(out)
+        progress = Progress(out, stream=None if self.root else io.StringIO())
         ckpt_info = {"path": None, "iteration": None}
         if resumed is not None:
             ckpt_info = {"path": checkpoint_path(args.checkpoint), "iteration": iteration}
@@ -780,6 +821,11 @@ class Trainer:
                     "iteration": iteration, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                     "data_rng": rng_state(data_rng), "net_rng": rng_state(net.rng), "history": history,
                     "epoch_losses": epoch_losses if batch_in_epoch else [], "model": model_now, "changes": changes}
+            if self.comm is not None:       # the state is whole; each rank's Dropout stream is its own
+                meta["distributed"] = distributed.checkpoint_entry(self.comm, args.shard, rng_state(net.rng))
+                meta["net_rng"] = meta["distributed"]["net_rngs"][0]
+            if not self.root:
+                return
             written = write_checkpoint(args.checkpoint, state, meta, order_now if batch_in_epoch else None)
             self.checkpoint_owned = True
             ckpt_info.update(path=written, iteration=iteration)
@@ -797,7 +843,7 @@ class Trainer:
                 order = data.epoch_order(data_rng)
                 epoch_losses, epoch_images, epoch_seconds = [], 0, 0.0
             indices = data.epoch_batch(order, batch_in_epoch, batch)
-            images, labels = data.train_batch(indices, data_rng, args.crop_pad, flip)
+            images, labels = data.train_batch(indices, data_rng, args.crop_pad, flip, part=part)
             lr = lr_at(args, iteration, ipe)
             net.solver.lr = lr
             tick = time.perf_counter()
@@ -835,10 +881,10 @@ class Trainer:
                       "images_per_s": round(epoch_images / max(epoch_seconds, 1e-9), 2)}
             if run_done or (args.eval_every and epoch_done and epoch % args.eval_every == 0):
                 if args.train_eval_size:
-                    train_eval = evaluate(net, data, train_sample, eval_batch, names)
+                    train_eval = self._evaluate(net, data, train_sample, eval_batch, names)
                     record["train_accuracy"] = train_eval.get("accuracy")
                 if len(data.heldout):
-                    last_eval = evaluate(net, data, data.heldout, eval_batch, names)
+                    last_eval = self._evaluate(net, data, data.heldout, eval_batch, names)
                     record["heldout_accuracy"] = last_eval.get("accuracy")
                     record["heldout_loss"] = last_eval.get("loss")
             current = net.report()
@@ -851,7 +897,11 @@ class Trainer:
         elapsed = time.perf_counter() - run_start
 
         if last_eval is None and len(data.heldout):
-            last_eval = evaluate(net, data, data.heldout, eval_batch, names)
+            last_eval = self._evaluate(net, data, data.heldout, eval_batch, names)
+        if self.comm is not None:
+            digest = distributed.same_state(net, self.comm)
+            out(f"ranks: all {self.comm.size} hold the same weights and momentum, bit for bit (SHA-256 "
+                f"{digest[:16]}...)")
         report = net.report()
         report["model"] = args.model
         report["densities"] = measured_densities
@@ -871,13 +921,20 @@ class Trainer:
             out(line)
         if ckpt_info["path"]:
             out(f"checkpoint: {ckpt_info['path']} (iteration {ckpt_info['iteration']})")
-        if args.report_json:
+        if args.report_json and self.root:
             write_json(report, args.report_json)
-        write_visuals(args, net.plans["train"], report, out)
+        if self.root:
+            write_visuals(args, net.plans["train"], report, out)
         log.write("end", iterations=iteration, seconds=round(elapsed, 2), heldout=last_eval,
                   footprint_bytes=report["footprint_bytes"])
         log.close()
         return report
+
+    def _evaluate(self, net, data, split, batch_size, names):
+        """`evaluate`, over the ranks where there are several (minigist.distributed)."""
+        if self.comm is None:
+            return evaluate(net, data, split, batch_size, names)
+        return distributed.evaluate_shared(evaluate, net, data, split, batch_size, names, self.comm)
 
     def interrupted_note(self):
         """What Ctrl-C leaves: which iteration the checkpoint holds and the command that resumes it."""

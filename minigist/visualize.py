@@ -32,6 +32,7 @@ COLOURS = {
     "gradient": (255, 192, 0),
     "workspace": (165, 105, 189),
     "encoded": (192, 0, 0),
+    "communication": (0, 150, 136),
 }
 LABELS = {
     "weights": "weights",
@@ -43,6 +44,7 @@ LABELS = {
     "gradient": "gradient maps",
     "workspace": "workspace",
     "encoded": "encoded stash (Gist)",
+    "communication": "communication buckets",
 }
 
 

@@ -585,6 +585,13 @@ ERROR_CASES = {
           bottom: "data"
           top: "fc1"
         }''', "unknown layer type 'FullyConnected' (layer 'fc1')"),
+    "an ONNX operator's layer in a Caffe file": ('''
+        layer {
+          name: "pool1"
+          type: "MaxPool"  #!
+          bottom: "data"
+          top: "pool1"
+        }''', "unknown layer type 'MaxPool' (layer 'pool1'): ONNX's operator, read from .onnx files"),
     "current syntax with a legacy type name": ('''
         layer {
           name: "fc1"

@@ -165,3 +165,168 @@ class Dropout(Layer):
             return
         xp.multiply(gy[0], saved["mask"], out=gx[0])
         gx[0] *= self.scale
+
+
+class _Bounded(Layer):
+    """An element-wise layer whose output is clipped to [low, high] and whose backward passes
+    `slope` * gy where low < y < high, 0 elsewhere: it reads y alone (y is strictly inside
+    exactly where its unclipped value is; on a bound itself the gradient is 0)."""
+    elementwise = True
+    slope = 1.0
+
+    def inplace_safe(self, bottom_index, top_index):
+        return True
+
+    def workspace(self, phase, gx_needed=None):
+        if phase == "backward":
+            return {"inside": TensorDecl(self.top_shapes[0], np.bool_), "below": TensorDecl(self.top_shapes[0], np.bool_)}
+        return {}
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        if gx[0] is None:
+            return
+        inside, below = ws["inside"], ws["below"]
+        xp.greater(y[0], self.low, out=inside)
+        xp.less(y[0], self.high, out=below)
+        xp.logical_and(inside, below, out=inside)
+        xp.multiply(gy[0], inside, out=gx[0])
+        if self.slope != 1.0:
+            xp.multiply(gx[0], self.slope, out=gx[0])
+
+
+@register
+class Clip(_Bounded):
+    """y = min(max(x, min), max): Caffe's Clip (clip_param) and ONNX's (ReLU6 is min 0, max
+    6); a bound left out is infinite. The backward passes gy where min < y < max and 0
+    elsewhere, so it reads y alone. (At x exactly on a bound it gives 0, where PyTorch's clamp
+    passes gy: a set of measure zero.)
+
+    Not a ReLU for Gist: its backward needs both bounds of y, not y > 0 (no mask_backward), and
+    it is no source of sparsity (no sparse_output), though it keeps the zeros of an input that
+    has them when 0 lies within its bounds."""
+    type = "Clip"
+    param_field = "clip_param"
+
+    def setup(self, bottom_shapes):
+        self.low = float(self.p.get("min", -np.inf))
+        self.high = float(self.p.get("max", np.inf))
+        if not self.low <= self.high:
+            self.fail(f"min {self.low} is above max {self.high}")
+        self.keeps_tops = (0,)
+        return [bottom_shapes[0]]
+
+    @property
+    def keeps_zeros(self):
+        return self.low <= 0.0 <= self.high
+
+    def forward(self, xp, x, y, p, saved, ws):
+        xp.maximum(x[0], self.low, out=y[0])
+        xp.minimum(y[0], self.high, out=y[0])
+
+
+@register
+class Sigmoid(Layer):
+    """y = 1 / (1 + exp(-x)), computed as Caffe does, 0.5 * tanh(0.5 x) + 0.5 (no overflow
+    for large |x|). Backward reads y: gx = gy * y * (1 - y)."""
+    type = "Sigmoid"
+    param_field = "sigmoid_param"
+    elementwise = True
+
+    def setup(self, bottom_shapes):
+        self.keeps_tops = (0,)
+        return [bottom_shapes[0]]
+
+    def inplace_safe(self, bottom_index, top_index):
+        return True
+
+    def workspace(self, phase, gx_needed=None):
+        return {"slope": TensorDecl(self.top_shapes[0])} if phase == "backward" else {}
+
+    def forward(self, xp, x, y, p, saved, ws):
+        xp.multiply(x[0], 0.5, out=y[0])
+        xp.tanh(y[0], out=y[0])
+        xp.multiply(y[0], 0.5, out=y[0])
+        xp.add(y[0], 0.5, out=y[0])
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        if gx[0] is None:
+            return
+        slope = ws["slope"]
+        xp.subtract(1.0, y[0], out=slope)
+        xp.multiply(slope, y[0], out=slope)
+        xp.multiply(gy[0], slope, out=gx[0])
+
+
+@register
+class HardSigmoid(_Bounded):
+    """ONNX's HardSigmoid: y = max(0, min(1, alpha * x + beta)) (alpha 0.2, beta 0.5 unless
+    given). Backward reads y: gx = alpha * gy where 0 < y < 1, else 0 (at the kinks 0)."""
+    type = "HardSigmoid"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
+    param_field = "hard_sigmoid_param"
+    low, high = 0.0, 1.0
+
+    def setup(self, bottom_shapes):
+        self.alpha = self.slope = float(self.p.get("alpha", 0.2))
+        self.beta = float(self.p.get("beta", 0.5))
+        self.keeps_tops = (0,)
+        return [bottom_shapes[0]]
+
+    def forward(self, xp, x, y, p, saved, ws):
+        xp.multiply(x[0], self.alpha, out=y[0])
+        xp.add(y[0], self.beta, out=y[0])
+        xp.maximum(y[0], self.low, out=y[0])
+        xp.minimum(y[0], self.high, out=y[0])
+
+
+@register
+class HardSwish(Layer):
+    """ONNX's HardSwish: y = x * max(0, min(1, alpha * x + 1/2)), alpha = 1/6 rounded to float32
+    as ONNX's definition (a HardSigmoid with a float attribute) has it. Backward reads x (y does
+    not determine x: the curve dips and rises again between -3 and 0): gx = gy * (2 alpha x +
+    1/2) where -3 < x < 3, gy where x >= 3, 0 where x <= -3.
+
+    Not a ReLU for Gist: its output is negative between -3 and 0, and its backward needs x."""
+    type = "HardSwish"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
+    param_field = "hard_swish_param"
+    elementwise = True
+    alpha, beta = float(np.float32(1.0 / 6.0)), 0.5
+
+    def setup(self, bottom_shapes):
+        self.keeps_bottoms = (0,)
+        return [bottom_shapes[0]]
+
+    def inplace_safe(self, bottom_index, top_index):
+        return True     # each pass reads x (gy) whole into a workspace before it writes y (gx)
+
+    def workspace(self, phase, gx_needed=None):
+        shape = self.bottom_shapes[0]
+        if phase == "forward":
+            return {"gate": TensorDecl(shape)}
+        return {"gate": TensorDecl(shape), "slope": TensorDecl(shape), "mask": TensorDecl(shape, np.bool_)}
+
+    def _gate(self, xp, x0, gate):
+        """gate <- alpha * x + beta (before the clipping)."""
+        xp.multiply(x0, self.alpha, out=gate)
+        xp.add(gate, self.beta, out=gate)
+
+    def forward(self, xp, x, y, p, saved, ws):
+        gate = ws["gate"]
+        self._gate(xp, x[0], gate)
+        xp.maximum(gate, 0.0, out=gate)
+        xp.minimum(gate, 1.0, out=gate)
+        xp.multiply(x[0], gate, out=y[0])
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        if gx[0] is None:
+            return
+        gate, slope, mask = ws["gate"], ws["slope"], ws["mask"]
+        self._gate(xp, x[0], gate)
+        xp.multiply(x[0], 2.0 * self.alpha, out=slope)      # d/dx of x * (alpha x + beta)
+        xp.add(slope, self.beta, out=slope)
+        xp.greater_equal(gate, 1.0, out=mask)
+        xp.copyto(slope, 1.0, where=mask)
+        xp.less_equal(gate, 0.0, out=mask)
+        xp.copyto(slope, 0.0, where=mask)
+        xp.multiply(gy[0], slope, out=gx[0])

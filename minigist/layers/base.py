@@ -39,6 +39,8 @@ class ParamDecl:
     lr_mult: float = 1.0
     decay_mult: float = 1.0
     learnable: bool = True   # False for state such as BatchNorm's running statistics
+    initial: object = None   # the model file's starting value (an ONNX initializer), array-like of
+                             # `shape`; None: the filler starts it
 
     @property
     def trained(self):
@@ -65,6 +67,8 @@ class LayerSpec:
     param_specs: list = field(default_factory=list)   # [(lr_mult, decay_mult)] from the file
     loss_weights: list = field(default_factory=list)
     propagate_down: list = field(default_factory=list)
+    initial: dict = field(default_factory=dict)       # {param name: starting value} from the file
+    origin: str = ""         # where a generated layer comes from ("node 'conv1' (Conv)"), for errors
 
 
 class Layer:
@@ -74,6 +78,7 @@ class Layer:
     num_tops = (1, 1)
     is_loss = False
     is_data = False
+    caffe_type = True        # a type Caffe's model files name (False: an ONNX operator's layer)
 
     def __init__(self, spec, dtype, engine=None):
         self.spec = spec
@@ -108,8 +113,11 @@ class Layer:
             lr_mult, decay_mult = self.spec.param_specs[index]
         if not learnable:
             lr_mult, decay_mult = 0.0, 0.0
-        self.params.append(ParamDecl(name, tuple(int(d) for d in shape), filler or {},
-                                     lr_mult, decay_mult, learnable))
+        shape = tuple(int(d) for d in shape)
+        initial = self.spec.initial.get(name)
+        if initial is not None and tuple(initial.shape) != shape:
+            self.fail(f"the file's {name} has shape {tuple(initial.shape)}, the layer needs {shape}")
+        self.params.append(ParamDecl(name, shape, filler or {}, lr_mult, decay_mult, learnable, initial))
 
     # ---- the contract -------------------------------------------------------------------
     def setup(self, bottom_shapes):

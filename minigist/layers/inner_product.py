@@ -53,3 +53,36 @@ class InnerProduct(Layer):
             xp.sum(gy2, axis=0, out=gp[1])
         if gx[0] is not None:
             xp.matmul(gy2, self._weight_t(p[0]).T, out=gx[0].reshape(self.rows, self.features))
+
+
+@register
+class Gemm(InnerProduct):
+    """ONNX's Gemm where it is no plain InnerProduct: y = alpha * x W^T + beta * b (gemm_param
+    alpha, beta; the rest as InnerProduct's inner_product_param, W in either layout). The
+    gradients carry the same factors: gW = alpha * gy^T x, gb = beta * sum(gy), gx = alpha * gy W."""
+    type = "Gemm"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
+
+    def setup(self, bottom_shapes):
+        top = super().setup(bottom_shapes)
+        gemm = self.spec.msg.get("gemm_param")
+        self.alpha = float(gemm.get("alpha", 1.0)) if gemm is not None else 1.0
+        self.beta = float(gemm.get("beta", 1.0)) if gemm is not None else 1.0
+        return top
+
+    def forward(self, xp, x, y, p, saved, ws):
+        x2 = x[0].reshape(self.rows, self.features)
+        y2 = y[0].reshape(self.rows, self.num_output)
+        xp.matmul(x2, self._weight_t(p[0]), out=y2)
+        y2 *= self.alpha
+        if self.bias_term:
+            y2 += p[1] * self.beta
+
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+        super().backward(xp, x, y, gy, gx, p, gp, saved, ws)
+        if gp[0] is not None:
+            gp[0] *= self.alpha
+        if self.bias_term and gp[1] is not None:
+            gp[1] *= self.beta
+        if gx[0] is not None:
+            gx[0] *= self.alpha

@@ -98,12 +98,7 @@ class BatchNorm(Layer):
         if len(shape) < 1:
             self.fail("needs an input with at least one axis")
         self.use_global = bool(p.get("use_global_stats", self.spec.phase == "TEST"))
-        self.maf = float(p.get("moving_average_fraction", 0.999))
-        self.eps = float(p.get("eps", 1e-5))
-        if not 0.0 <= self.maf <= 1.0:
-            self.fail(f"moving_average_fraction must be in [0, 1], got {self.maf}")
-        if not self.eps >= 0.0:
-            self.fail(f"eps must be >= 0, got {self.eps}")
+        self.maf, self.eps = self._average_and_eps("moving_average_fraction", 0.999, "eps")
         for index, (lr_mult, _) in enumerate(self.spec.param_specs[:3]):
             if lr_mult != 0.0:
                 self.fail(f"param {index} has lr_mult {lr_mult}: the batch statistics cannot be "
@@ -114,13 +109,27 @@ class BatchNorm(Layer):
         self.add_param("mean", (channels,), zero, learnable=False)
         self.add_param("variance", (channels,), zero, learnable=False)
         self.add_param("scale_factor", (1,), zero, learnable=False)
+        self._declare_stash(channels)
+        return [tuple(shape)]
+
+    def _average_and_eps(self, fraction_name, fraction_default, eps_name):
+        """(the running average's weight of the old value, eps) from the layer's message, checked."""
+        fraction = float(self.p.get(fraction_name, fraction_default))
+        eps = float(self.p.get(eps_name, 1e-5))
+        if not 0.0 <= fraction <= 1.0:
+            self.fail(f"{fraction_name} must be in [0, 1], got {fraction}")
+        if not eps >= 0.0:
+            self.fail(f"{eps_name} must be >= 0, got {eps}")
+        return fraction, eps
+
+    def _declare_stash(self, channels):
+        """With batch statistics the backward keeps y (x_hat) and the saved inv_std."""
         if self.use_global:
             self.keeps_tops = ()
             self.saved = {}
         else:
             self.keeps_tops = (0,)
             self.saved = {"inv_std": TensorDecl((channels,))}
-        return [tuple(shape)]
 
     chunk_bytes = 4 << 20       # target size of one chunk-sized workspace
     stream_role = "y"           # the backward reads its top (x_hat), one chunk at a time
@@ -299,6 +308,52 @@ class BatchNorm(Layer):
             xp.subtract(gyc, pc, out=gxc)
             xp.subtract(gxc, mean_gy[:, None], out=gxc)
             xp.multiply(gxc, inv_std[:, None], out=gxc)
+
+
+@register
+class BatchNormalization(BatchNorm):
+    """ONNX's BatchNormalization without its affine part, which the ONNX front end gives a
+    Scale layer after it (the file's scale and B): y = (x - mean) / sqrt(var + epsilon) per
+    channel (axis 1). State (never learned): mean and variance, the running averages
+    themselves (no scale factor).
+
+    The TRAIN phase has training_mode=1's semantics: batch statistics (the biased variance),
+    and the running statistics updated as running * momentum + batch * (1 - momentum): ONNX's
+    momentum is the weight of the old value, 1 - PyTorch's, and ONNX averages the biased batch
+    variance where PyTorch averages the unbiased one. The TEST phase has training_mode=0's:
+    the running statistics. The forward and backward passes are BatchNorm's."""
+    type = "BatchNormalization"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
+    param_field = "batch_normalization_param"
+
+    def setup(self, bottom_shapes):
+        shape = bottom_shapes[0]
+        if len(shape) < 2:
+            self.fail(f"needs an input with a channel axis (N, C, ...), got shape {tuple(shape)}")
+        self.use_global = self.spec.phase == "TEST"
+        self.momentum, self.eps = self._average_and_eps("momentum", 0.9, "epsilon")
+        self.shape3 = _shape3(shape)
+        channels = self.shape3[1]
+        one = filler_of(None)
+        one["value"] = 1.0
+        self.add_param("mean", (channels,), filler_of(None), learnable=False)
+        self.add_param("variance", (channels,), one, learnable=False)
+        self._declare_stash(channels)
+        return [tuple(shape)]
+
+    def _global_stats(self, xp, p):
+        inv_std = p[1] + self.eps
+        xp.sqrt(inv_std, out=inv_std)
+        xp.reciprocal(inv_std, out=inv_std)
+        return p[0].astype(self.dtype, copy=False), inv_std.astype(self.dtype, copy=False)
+
+    def _update_running(self, xp, p, mean, var, m, scratch):
+        """ONNX's running averages: running * momentum + batch * (1 - momentum); `scratch`
+        (C,) takes the product."""
+        for running, batch in ((p[0], mean), (p[1], var)):
+            running *= self.momentum
+            xp.multiply(batch, 1.0 - self.momentum, out=scratch)
+            running += scratch
 
 
 @register
@@ -530,10 +585,10 @@ class LRN(Layer):
         chunk = ws["scale"].shape[0]
         x3, y3 = paired(x[0], y[0], lambda a: a.reshape(self.shape3))
         for n0 in range(0, n, chunk):
-            xc = x3[n0:n0 + chunk]
+            xc, yc = paired(x3, y3, lambda a: a[n0:n0 + chunk])     # one object in place
             scale, _ = self._scale(xp, xc, ws["square"], ws["scale"])
             xp.power(scale, -self.beta, out=scale)
-            xp.multiply(xc, scale, out=paired(x3, y3, lambda a: a[n0:n0 + chunk])[1])
+            xp.multiply(xc, scale, out=yc)
 
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
         if gx[0] is None:

@@ -29,9 +29,19 @@ from .. import jit
 from ..gpu import kernels as gpu_kernels
 from ..errors import ModelFileError
 from . import pool_kernels
-from .base import Layer, TensorDecl, register
+from .base import Layer, TensorDecl, paired, register
 
 _FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def _runs(values):
+    """(start, stop, value) of each run of equal consecutive values."""
+    runs, start = [], 0
+    for index in range(1, len(values) + 1):
+        if index == len(values) or values[index] != values[start]:
+            runs.append((start, index, values[start]))
+            start = index
+    return runs
 
 
 def _overlap(offset, src_len, dst_len):
@@ -108,6 +118,14 @@ class Pooling(Layer):
                 self.fail(f"kernel {k} is larger than the padded input size {size + 2 * pd}")
             out.append(o)
         oh, ow = out
+        return [self._windows(shape, (kh, kw), (sh, sw), (ph, pw), (oh, ow))]
+
+    def _windows(self, shape, kernel, stride, pad, out_hw):
+        """Set the geometry every pass reads from the input shape, kernel, stride, the pad
+        before each axis (windows start at -pad) and the output size; declare the argmax map
+        (MAX). Returns the top shape."""
+        n, c, h, w = shape
+        (kh, kw), (sh, sw), (ph, pw), (oh, ow) = kernel, stride, pad, out_hw
         self.kernel, self.stride, self.pad = (kh, kw), (sh, sw), (ph, pw)
         self.in_shape, self.out_hw = shape, (oh, ow)
         # the buffer every window fits in: rows -ph .. (oh-1)*sh - ph + kh of the input
@@ -124,7 +142,7 @@ class Pooling(Layer):
             windows = kh * kw
             dtype = np.uint8 if windows <= 256 else np.uint16 if windows <= 65536 else np.uint32
             self.saved = {"argmax": TensorDecl(top, dtype)}
-        return [top]
+        return top
 
     def _pair(self, name, default):
         """Caffe's `name` or both `name_h` and `name_w`."""
@@ -277,15 +295,20 @@ class Pooling(Layer):
                     xp.copyto(y0, window)
                 else:
                     xp.add(y0, window, out=y0)
-            xp.divide(y0, self._divisor(xp, y0.dtype), out=y0)
+            self._divide(xp, y0, y0)
 
-    def _divisor(self, xp, dtype):
+    def _divide(self, xp, values, out):
+        """out <- values (b, C, OH, OW) / each output's pool size: one division per block of
+        outputs with one size (the sizes differ only near the borders), by a number, so that
+        no divisor array is made on the device. Windows with no input (see the module notes)
+        divide by 1."""
         rows, cols = self._pool_sizes()
-        if rows.min() == rows.max() and cols.min() == cols.max():
-            return float(rows[0] * cols[0])
-        sizes = np.multiply.outer(rows, cols)
-        sizes[sizes <= 0] = 1       # windows with no input (see the module notes): 0 / 1
-        return xp.asarray(sizes.astype(dtype))
+        for r0, r1, row in _runs(rows):
+            for c0, c1, col in _runs(cols):
+                size = int(row) * int(col)
+                block = (slice(None), slice(None), slice(r0, r1), slice(c0, c1))
+                source, target = paired(values, out, lambda a: a[block])
+                xp.divide(source, float(size if size > 0 else 1), out=target)
 
     # ---- backward -----------------------------------------------------------------------
     def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
@@ -300,12 +323,11 @@ class Pooling(Layer):
             xp.divide(gy0.reshape(n, c, 1), h * w, out=gx0.reshape(n, c, h * w))
             return
         chunk = ws["gtop"].shape[0]
-        divisor = self._divisor(xp, gy0.dtype)
         for n0 in range(0, n, chunk):
             gyc, gxc = gy0[n0:n0 + chunk], gx0[n0:n0 + chunk]
             cws = {k: v[:gyc.shape[0]] for k, v in ws.items()}
             scaled = cws["gtop"]
-            xp.divide(gyc, divisor, out=scaled)
+            self._divide(xp, gyc, scaled)
             target = self._grad_target(xp, gxc, cws)
             for k, i, j in self._offsets():
                 dst = self._slice(target, i, j)
@@ -372,3 +394,74 @@ class Pooling(Layer):
         if (src_rows.start, src_rows.stop, src_cols.start, src_cols.stop) != (0, h, 0, w):
             gx.fill(0)
         xp.copyto(gx[:, :, src_rows, src_cols], target[:, :, rows, cols])
+
+
+class OnnxPooling(Pooling):
+    """ONNX's MaxPool and AveragePool (2-D): `pads` may differ before and after an axis
+    (windows start at -pad_begin; the end pads only add outputs), outputs are
+    floor((size + pads - kernel) / stride) + 1, or with ceil_mode the ceiling, less the last
+    window when it would start past the input and its begin pad (ONNX's and PyTorch's rule;
+    Caffe's CEIL differs: it applies that only with a pad and has no floor mode). AveragePool
+    divides by the input elements in the window (count_include_pad 0, the default) or by the
+    window clipped to the padded input (1: the pads count, the ceil_mode overhang beyond them
+    does not). Every pad is smaller than the kernel, so no window lies wholly in padding.
+    Forward, backward, the argmax map and Gist's facts are Pooling's."""
+    param_field = "onnx_pool_param"
+    method_name = None
+
+    def setup(self, bottom_shapes):
+        p = self.p
+        shape = tuple(int(d) for d in bottom_shapes[0])
+        self.method = self.method_name
+        if len(shape) != 4:
+            self.fail(f"a {len(shape)}-D input {shape} is not supported: only 2-D pooling of 4-D (N, C, H, W) inputs")
+        n, c, h, w = shape
+        kernel = [int(k) for k in p.all("kernel_shape")]
+        strides = [int(s) for s in p.all("strides")] or [1, 1]
+        pads = [int(v) for v in p.all("pads")] or [0, 0, 0, 0]
+        if len(kernel) != 2 or len(strides) != 2 or len(pads) != 4:
+            self.fail(f"kernel_shape {kernel}, strides {strides}, pads {pads}: 2, 2 and 4 values are needed")
+        if min(kernel) <= 0 or min(strides) <= 0 or min(pads) < 0:
+            self.fail(f"kernel_shape {kernel} and strides {strides} must be positive, pads {pads} not negative")
+        if any(pad >= k for pad, k in zip(pads, kernel + kernel)):
+            self.fail(f"pads {pads} must be smaller than the kernel {kernel}")
+        self.ceil_mode = bool(p.get("ceil_mode", False))
+        self.count_include_pad = bool(p.get("count_include_pad", False))
+        self.pads_end = (pads[2], pads[3])
+        out = []
+        for size, k, s, begin, end in zip((h, w), kernel, strides, pads[:2], pads[2:]):
+            span = size + begin + end - k
+            if span < 0:
+                self.fail(f"kernel {k} is larger than the padded input size {size + begin + end}")
+            o = (-(-span // s) if self.ceil_mode else span // s) + 1
+            if self.ceil_mode and (o - 1) * s >= size + begin:
+                o -= 1
+            out.append(o)
+        return [self._windows(shape, tuple(kernel), tuple(strides), (pads[0], pads[1]), tuple(out))]
+
+    def _pool_sizes(self):
+        """The divisor per output (rows, cols): the window clipped to the input, or with
+        count_include_pad to the padded input."""
+        sizes = []
+        for size, k, s, begin, end, o in zip(self.in_shape[2:], self.kernel, self.stride, self.pad,
+                                             self.pads_end, self.out_hw):
+            starts = np.arange(o) * s - begin
+            if self.count_include_pad:
+                sizes.append(np.minimum(starts + k, size + end) - starts)
+            else:
+                sizes.append(np.minimum(starts + k, size) - np.maximum(starts, 0))
+        return sizes
+
+
+@register
+class MaxPool(OnnxPooling):
+    type = "MaxPool"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
+    method_name = "MAX"
+
+
+@register
+class AveragePool(OnnxPooling):
+    type = "AveragePool"
+    caffe_type = False       # ONNX's operator: read from .onnx files only
+    method_name = "AVE"

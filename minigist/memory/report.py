@@ -125,6 +125,8 @@ def footprint_report(plan, model="", parameters=0, extra=None):
                           "live_peak_bytes": int(plan.pool.peak_in_use),
                           "fragmentation_bytes": int(plan.pool.fragmentation),
                           "mallocs": plan.pool.mallocs}
+    if getattr(program, "distributed", None) is not None:
+        report["distributed"] = program.distributed.report(plan)
     if extra:
         report.update(extra)
     return report
@@ -144,6 +146,12 @@ def format_report(report):
                      f"inference plan (add_loss=True, train.py --add-loss, appends a SoftmaxWithLoss)")
     if report.get("added_loss"):
         lines.append(f"  added loss: {report['added_loss']}")
+    if report.get("distributed"):
+        spread = report["distributed"]
+        buckets = spread["buckets"]
+        lines.append(f"  one of {spread['ranks']} ranks (batch {report['batch_size']} each), shard {spread['shard']}: "
+                     f"{len(buckets)} buckets of at most {spread['bucket_bytes']:,} B (largest "
+                     f"{max((b['bytes'] for b in buckets), default=0):,} B); the figures below are per rank")
     if report.get("footprint_with_evaluation_bytes", 0) > report["footprint_bytes"]:
         evaluation = report["evaluation"]
         lines.append(f"  evaluation at batch {evaluation['batch_size']} needs more than training: "
