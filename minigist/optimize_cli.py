@@ -25,6 +25,8 @@ def check_args(args):
         raise MinigistError(f"--optimize chooses with --gist lossless (the default) or all, not {args.gist}")
     if args.alloc != "static":
         raise MinigistError(f"--optimize plans for --alloc static (the exact plan), not {args.alloc}")
+    if (getattr(args, "ranks", None) or 1) > 1:
+        raise MinigistError("--optimize plans one process's program, not a rank's share of a data-parallel batch")
 
 
 def _mib(nbytes):

@@ -631,7 +631,7 @@ class Trainer:
             from .optimize_cli import plan_only
             if densities_line:
                 out(densities_line)
-            return plan_only(path, compile_options(args), args, out)
+            return plan_only(path, compile_options(path, args), args, out)
         report = plan_for(path, args)
         report["model"] = args.model
         report["densities"] = densities_source
