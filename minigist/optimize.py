@@ -176,8 +176,9 @@ class _Stash:
 
 def _positions(program, base_labels):
     """Each step of `program` as the index of a step of the unoptimized program: its own, or
-    (a step a pass inserted) the one it runs next to (an encode: its producer; a decode or a
-    replay: the reader it runs before)."""
+    (a step a pass inserted) the next one (an encode runs after its producer, where that
+    step's input may be gone already, and before that next step, which holds all it holds
+    but its scratch; a decode or a replay: the reader it runs before)."""
     original = ("forward", "backward", "seed", "zero", "accumulate", "update")
     positions, j, last = [], 0, len(base_labels) - 1
     for step in program.steps:
@@ -185,7 +186,7 @@ def _positions(program, base_labels):
             positions.append(j)
             j += 1
         else:
-            positions.append(max(0, j - 1) if step.kind == "encode" else min(j, last))
+            positions.append(min(j, last))
     if j != len(base_labels):
         raise AssertionError(f"program steps do not follow the unoptimized program's (matched {j} of {len(base_labels)})")
     return positions
@@ -231,6 +232,9 @@ class Optimizer:
         self._chunked = None
         self.stashes = self._stashes()
         self.lossless = compile(model, self.options)
+        # a layer's saved tensors (a pool's argmax, Dropout's mask) take their lossless code
+        # whatever is chosen: the model counts them so from the start
+        self.base_live += self._saved_codes(self.lossless)
         self._mark_in_place(self.lossless)
         self._add_codec_options(self.lossless, lossy=False)
         if lossy:
@@ -304,6 +308,25 @@ class Optimizer:
         if start > stash.last_reader:
             return []
         return [(start, stash.last_reader, -stash.nbytes)]
+
+    def _saved_codes(self, compiled):
+        """Per step of the unoptimized program: the bytes `compiled` holds for the layers'
+        saved tensors (their codes, decoded parts and codec scratch) less what the unoptimized
+        program holds for them."""
+        program, base = compiled.program, self.base.program
+        positions = _positions(program, self.labels)
+        delta = np.zeros(self.steps)
+        for name in program.encodings:
+            buffer = program.buffers[name]
+            if buffer.kind != "saved":
+                continue
+            tensor = buffer.tensor
+            for other in program.buffers.values():
+                if other.tensor in (tensor, f"{tensor}.encode", f"{tensor}.decode"):
+                    delta[positions[other.first_use]:positions[other.last_use] + 1] += align(other.nbytes)
+            kept = base.buffers[name]
+            delta[kept.first_use:kept.last_use + 1] -= align(kept.nbytes)
+        return delta
 
     def _mark_in_place(self, compiled):
         """Mark each stash whose fp32 bytes the compiled program gives, once encoded, to an
