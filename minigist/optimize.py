@@ -41,12 +41,10 @@ Lower bounds: `floor()` (the most bytes one step needs whatever is chosen) and
 `overhead_floor(budget)` (the least predicted overhead any plan within a budget needs, from one
 step at a time) bound every plan from below; the README's frontier table gives the first.
 """
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costmodel import step_flops
 from .errors import MinigistError
 from .memory import align
 from .memory.report import footprint_report, live_by_step
@@ -169,7 +167,6 @@ class _Stash:
     options: list = field(default_factory=list)
     sources: tuple = ()       # stashed blobs a replay starts from
     chain_seconds: float = 0.0
-    chain_flops: int = 0
     chain_bytes: int = 0      # maps a replay rebuilds on the way (its own, freed when done)
     in_place: bool = False    # not kept in fp32, its bytes go to its last forward reader's output
 
@@ -197,6 +194,31 @@ def _on_base(values, positions, size):
     out = np.zeros(size, dtype=np.float64)
     np.maximum.at(out, np.asarray(positions), np.asarray(values, dtype=np.float64))
     return out
+
+
+def lossy_overrides(graph, program, lossless, dpr):
+    """{stashed top: the Gist override of its lossy option}: SSDC with `dpr` values where the
+    lossless rules give it SSDC, else DPR in `dpr` where that applies (float32, a batch of
+    maps, 4 KiB or more). `program` is the unoptimized training program, `lossless` the one
+    under the lossless rules. Left out: a top named as a layer with saved tensors (a pool's
+    argmax) or as a max-pool, since Gist's overrides also match layer names and the override
+    would reach the layer's codes too."""
+    layers = {node.layer.name: node.layer for node in graph.nodes}
+    saved = {b.layer for b in program.buffers.values() if b.kind == "saved"}
+    overrides = {}
+    for name, buffer in program.buffers.items():
+        if buffer.kind != "blob" or buffer.category != STASH:
+            continue
+        tensor = buffer.tensor
+        if tensor in layers and (tensor in saved or layers[tensor].type == "Pooling"):
+            continue
+        encoding = lossless.encodings.get(name)
+        if encoding is not None and encoding.name == "ssdc":
+            overrides[tensor] = f"ssdc-{dpr}"
+        elif (buffer.dtype == np.float32 and buffer.nbytes >= 4096 and len(buffer.shape) >= 2
+              and buffer.shape[0] == graph.batch_size):
+            overrides[tensor] = dpr
+    return overrides
 
 
 class Optimizer:
@@ -238,15 +260,9 @@ class Optimizer:
         self._mark_in_place(self.lossless)
         self._add_codec_options(self.lossless, lossy=False)
         if lossy:
-            overrides = {}
-            for stash in self.stashes.values():
-                if not self._may_override(stash):
-                    continue
-                encoding = self.lossless.program.encodings.get(f"blob:{stash.tensor}")
-                if encoding is not None and encoding.name == "ssdc":
-                    overrides[stash.tensor] = f"ssdc-{options.dpr}"
-                elif self._dpr_applies(program.buffers[f"blob:{stash.tensor}"]):
-                    overrides[stash.tensor] = options.dpr
+            overrides = {tensor: override for tensor, override in
+                         lossy_overrides(self.graph, program, self.lossless.program, options.dpr).items()
+                         if tensor in self.stashes}
             if overrides:
                 self._add_codec_options(compile(model, self.options.replace(overrides=overrides)), lossy=True,
                                         overrides=overrides)
@@ -268,21 +284,6 @@ class Optimizer:
         """Bytes the plan needs: its footprint, and the evaluation program's part where larger."""
         plan = compiled.plan
         return plan.footprint_bytes + max(0, self.eval_transient - plan.transient_bytes)
-
-    def _dpr_applies(self, buffer):
-        return (buffer.dtype == np.float32 and buffer.nbytes >= 4096 and len(buffer.shape) >= 2
-                and buffer.shape[0] == self.graph.batch_size)
-
-    def _may_override(self, stash):
-        """An override by tensor name that cannot reach another tensor: Gist's overrides also
-        match layer names, so a blob named as a layer with saved stashes (a pool's argmax) or
-        whose codes fuse with a ReLU's (a max-pool) keeps the lossless rule."""
-        node = self.graph.node_of(stash.tensor) if stash.tensor in {n.layer.name for n in self.graph.nodes} else None
-        if node is None:
-            return True
-        layer = node.layer
-        has_saved = any(b.kind == "saved" and b.layer == layer.name for b in self.base.program.buffers.values())
-        return not has_saved and layer.type != "Pooling"
 
     def _stashes(self):
         program = self.base.program
@@ -426,7 +427,6 @@ class Optimizer:
             return
         stash.sources = tuple(sorted(s for s in sources if s in self.stashes))
         stash.chain_seconds = sum(self.step_cost[i] for i in chain)
-        stash.chain_flops = sum(step_flops(program.steps[i]) for i in chain)
         scratch = 0
         for index in chain:
             step = program.steps[index]

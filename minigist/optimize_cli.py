@@ -6,11 +6,10 @@ shapes alone: FLOPs and bytes at the reference rates, or this machine's measured
 --measure-rates; a training run: its steps timed by a short profiling run), prints the
 decisions and draws the frontier.
 """
-import numpy as np
 
 from .costmodel import MeasuredModel, flop_model, profile, reference_model
 from .errors import MinigistError
-from .optimize import SMALL_CHUNK_BYTES, Optimizer, dominated_by
+from .optimize import SMALL_CHUNK_BYTES, Optimizer, dominated_by, lossy_overrides
 from .pipeline import plan_report
 
 FRONTIER_POINTS = 8
@@ -147,16 +146,15 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
     everywhere it applies, and the three again at SMALL_CHUNK_BYTES), each step timed on
     `batch`. Falls back to the FLOP model where those nets do not fit this machine."""
     from .net import Net
-    fallback = flop_model()
+    fallback = flop_model(seconds=0.25)     # for steps not profiled, scaled to the profiled ones
     base = options.replace(overrides=(), recompute=(), budget=None, chunk_bytes=None)
     variants = [base.replace(gist="none"), base.replace(gist="lossless")]
     nets = []
     try:
         nets = [Net(model, threads=threads, plan=_Settings(variant)) for variant in variants]
         if lossy:
-            dpr = {b.tensor: options.dpr for b in nets[0].compiled["train"].program.buffers.values()
-                   if b.kind == "blob" and b.category == "stash" and b.dtype == np.float32
-                   and len(b.shape) >= 2 and b.nbytes >= 4096}
+            plain, lossless = nets[0].compiled["train"], nets[1].compiled["train"]
+            dpr = lossy_overrides(plain.graph, plain.program, lossless.program, options.dpr)
             variants = [variants[0], variants[1], base.replace(gist="lossless", overrides=dpr)]
             nets.append(Net(model, threads=threads, plan=_Settings(variants[2])))
             nets += [Net(model, threads=threads, plan=_Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))

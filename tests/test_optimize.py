@@ -18,6 +18,7 @@ from minigist.errors import MinigistError  # noqa: E402
 from minigist.memory.report import live_by_step  # noqa: E402
 from minigist.memory.report import footprint_report  # noqa: E402
 from minigist.optimize import RECOMPUTE, SMALL_CHUNK_BYTES, Optimizer, _on_base, _positions  # noqa: E402
+from minigist.optimize_cli import profiled_model  # noqa: E402
 from minigist.pipeline import Options, compile  # noqa: E402
 from test_gist import batches, model  # noqa: E402
 from test_recompute import assert_same_training  # noqa: E402
@@ -290,3 +291,17 @@ def test_a_budget_only_smaller_chunks_reach_trains_with_them(resnet20):
     net = minigist.Net(model("resnet20"), batch_size=BATCH, update="fused")     # applied to a net built without it
     net.apply_plan(plan)
     assert net.report()["footprint_with_evaluation_bytes"] == plan.footprint_bytes
+
+
+def test_the_measured_cost_model_times_every_program_it_chooses_from(tiny):
+    """Under --gist all: every stash kept, the lossless rules, DPR wherever it applies (not on a
+    pool's argmax, which an override by the pool's name would reach), each at the layers' own
+    chunks and at the small ones."""
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((2, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 2))
+    measured = profiled_model(tiny.model, tiny.options, batch, lossy=True, threads=1)
+    assert measured.kind == "measured" and measured.programs_profiled == 6
+    kinds = {key[0] for key in measured.seconds}
+    assert {"forward", "backward", "encode", "decode"} <= kinds
+    chunks = {key[3] for key in measured.seconds if len(key) == 4}
+    assert SMALL_CHUNK_BYTES in chunks and len(chunks) > 1
