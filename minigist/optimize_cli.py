@@ -159,7 +159,7 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
             nets.append(Net(model, threads=threads, plan=_Settings(variants[2])))
             nets += [Net(model, threads=threads, plan=_Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))
                      for v in variants]
-        seconds = profile(nets, batch)
+        seconds = profile(nets, batch, repeats=7)
     except MinigistError as exc:
         out(f"cost model: FLOPs and bytes (the profiling run could not run here: {exc})")
         return fallback
