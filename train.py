@@ -231,6 +231,17 @@ def make_parser():
                             "as Caffe does; every gradient is live at once). Same weights bit for bit")
     group.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                        help="fail before training if it needs more memory than SIZE (e.g. 2GiB, 512MB)")
+    group.add_argument("--optimize", action="store_true",
+                       help="fit --memory-budget: choose for every stashed tensor between fp32, a lossless "
+                            "encoding, DPR (--gist all, in the --dpr format) and recomputation, at the least "
+                            "predicted step time, so that the exact static plan fits; prints the decisions "
+                            "(--plan-only: from FLOPs and bytes at fixed reference rates, the same plan on every "
+                            "machine; training: from a short profiling run). Without a budget, --plan-only "
+                            "prints the frontier of footprint against predicted overhead (--plot draws it). "
+                            "--gist lossless is the default; needs scipy (pip install 'minigist[optimize]')")
+    group.add_argument("--measure-rates", action="store_true",
+                       help="with --optimize --plan-only: measure this machine's GEMM rate and memory "
+                            "bandwidth for the cost model (about a second) instead of the reference rates")
     group.add_argument("--densities", metavar="auto|none|FILE",
                        help="the SSDC densities a --plan-only plan assumes under --gist lossless/all (a plan "
                             "from shapes alone cannot see data): auto (the default) takes the bundled "

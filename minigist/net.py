@@ -55,7 +55,7 @@ from .memory.pool import Pool
 from .memory.report import footprint_report
 from .passes.gist_steps import GistStats
 from .passes.reduce import DEFAULT_BUCKET_BYTES
-from .pipeline import Options, build, compile, per_rank, report_extra, with_evaluation
+from .pipeline import Options, build, compile, per_rank, report_extra, set_chunks, with_evaluation
 from .program import param_buffer_names
 from .sgd import SGD
 
@@ -71,17 +71,23 @@ class Net:
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
                  conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(), comm=None,
-                 shard="none", bucket_bytes=DEFAULT_BUCKET_BYTES, initializers=True):
+                 shard="none", bucket_bytes=DEFAULT_BUCKET_BYTES, initializers=True, plan=None):
         self.comm = comm
         ranks = comm.size if comm is not None else 1
         if shard != "none" and comm is None:
             raise MinigistError(f"--shard {shard}: sharding splits the state among ranks; it needs a communicator "
                                 f"(comm=...), as a run under mpiexec has")
+        if plan is not None and comm is not None:
+            raise MinigistError("plan: minigist.optimize plans one process's program, not a rank's share of a "
+                                "data-parallel batch")
         self.options = per_rank(model, Options(
             batch_size=batch_size, input_size=input_size, input_channels=input_channels, device=device, dtype=dtype,
             conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, overrides=gist_overrides, update=update,
             budget=memory_budget, densities=ssdc_density, add_loss=add_loss, recompute=recompute, ranks=ranks,
             shard=shard, bucket_bytes=bucket_bytes))
+        if plan is not None:    # minigist.optimize's plan: its settings and decisions win
+            self.options = plan.options.replace(device=device, dtype=dtype, budget=memory_budget)
+        self.optimized = plan if hasattr(plan, "decisions") else None
         self.xp = get_xp(device)
         self.dtype = self.options.dtype
         self.seed = seed
@@ -155,6 +161,18 @@ class Net:
         (dynamic). Weights and momentum are kept. train.py sets its budget this way after
         calibration, so that the plan it checks is the one SSDC's measured densities give."""
         self.options = self.options.replace(budget=budget)
+        self._build()
+
+    def apply_plan(self, plan):
+        """Train with a plan of minigist.optimize from now on (its Gist overrides, recomputed
+        tensors, densities and batch chunks; re-plans, weights and momentum kept)."""
+        if plan.options.chunk_bytes != self.options.chunk_bytes:
+            for graph in self.graphs.values():
+                set_chunks(graph, self.options.replace(chunk_bytes=plan.options.chunk_bytes))
+        self.options = self.options.replace(gist=plan.options.gist, dpr=plan.options.dpr,
+                                            overrides=plan.options.overrides, recompute=plan.options.recompute,
+                                            densities=plan.options.densities, chunk_bytes=plan.options.chunk_bytes)
+        self.optimized = plan
         self._build()
 
     def set_densities(self, densities):
@@ -443,6 +461,8 @@ class Net:
                               "ssdc_fallback_bytes": self.stats.fallback_bytes})
         report = footprint_report(self.plans["train"], model=self.model,
                                   parameters=self.train_graph.param_count(), extra=extra)
+        if self.optimized is not None:
+            report["optimizer"] = self.optimized.to_json()
         return with_evaluation(report, self.plans["train"], self.plans["eval"], self.graphs["TEST"])
 
     # ---- parameters ---------------------------------------------------------------------

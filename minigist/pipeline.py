@@ -47,7 +47,10 @@ class Options:
     stashed tensors (buffer.tensor names, e.g. "conv1@relu1") dropped after the forward pass
     and rebuilt before their backward use (passes/recompute.py); ranks, shard, bucket_bytes:
     the program of one of `ranks` data-parallel ranks (passes/reduce.py), `batch_size` then
-    being each rank's share of the global batch."""
+    being each rank's share of the global batch; chunk_bytes: the batch-chunk target of every
+    layer that works in chunks (None: each layer's own; smaller chunks shrink the workspace,
+    and change how the sums over a batch round: a choice of the optimizer under lossy modes
+    only)."""
     batch_size: int = None
     input_size: int = None
     input_channels: int = None
@@ -67,6 +70,7 @@ class Options:
     ranks: int = 1
     shard: str = "none"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    chunk_bytes: int = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -121,11 +125,21 @@ def build(model, options, phase="TRAIN"):
     conv = check_conv_engine(options.conv, xp, options.dtype)
     graph = build_graph(model, phase, options.batch_size, options.input_size, options.dtype,
                         add_loss=options.add_loss, input_channels=options.input_channels, conv=conv)
-    if is_gpu(xp):
-        for layer in graph.layers:
-            if hasattr(layer, "chunk_bytes"):
-                layer.chunk_bytes = max(layer.chunk_bytes, GPU_CHUNK_BYTES)
+    set_chunks(graph, options)
     return graph, conv
+
+
+def set_chunks(graph, options):
+    """Every chunked layer of `graph` works in batch chunks of about `options.chunk_bytes`,
+    or, where that is None, of its own size (at least GPU_CHUNK_BYTES on a GPU)."""
+    gpu = is_gpu(get_xp(options.device))
+    for layer in graph.layers:
+        if hasattr(layer, "chunk_bytes"):
+            if options.chunk_bytes is not None:
+                layer.chunk_bytes = int(options.chunk_bytes)
+            else:
+                own = type(layer).chunk_bytes
+                layer.chunk_bytes = max(own, GPU_CHUNK_BYTES) if gpu else own
 
 
 def run_passes(graph, options, phase="TRAIN", calibrating=False):
@@ -151,6 +165,8 @@ def compile(model, options=Options(), phase="TRAIN", graph=None, calibrating=Fal
         graph, conv = build(model, options, phase)
     else:
         conv = resolve_conv(options.conv, get_xp(options.device), options.dtype)
+        if options.chunk_bytes is not None:
+            set_chunks(graph, options)
     program = run_passes(graph, options, phase, calibrating)
     return Compiled(graph, program, MemoryPlan(program, options.alloc), conv)
 

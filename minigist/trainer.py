@@ -105,6 +105,8 @@ class RunOptions:
     shard: str = "none"
     bucket_size: int = DEFAULT_BUCKET_BYTES
     rank_timeout: float = DEFAULT_TIMEOUT
+    optimize: bool = False
+    measure_rates: bool = False
 
 
 def bundled_models():
@@ -548,6 +550,9 @@ class Trainer:
         resumed = self._open_checkpoint()
         schedule_change, threads_from = self._settle_options(resumed)
         path = resolve_model(args.model)
+        if args.optimize or args.measure_rates:
+            from .optimize_cli import check_args
+            check_args(args)
         if args.summary or args.plan_only:
             args.input_channels = input_channels_for(path, args, "data" in self.given, self.out)
         if args.summary:
@@ -622,6 +627,11 @@ class Trainer:
         """The footprint report from shapes alone, checked against the memory budget, printed and written."""
         args, out = self.args, self.out
         densities_source, densities_line = choose_densities(path, args)
+        if args.optimize:
+            from .optimize_cli import plan_only
+            if densities_line:
+                out(densities_line)
+            return plan_only(path, compile_options(path, args), args, out)
         report = plan_for(path, args)
         report["model"] = args.model
         report["densities"] = densities_source
@@ -734,8 +744,12 @@ class Trainer:
         if calibrates:
             calib_rng = np.random.default_rng(args.seed + 7919)
             picks = [data.epoch_batch(calib_rng.permutation(len(data.train)), 0, batch) for _ in range(3)]
-            net.calibrate([data.train_batch(p, calib_rng, part=part) for p in picks], margin=MARGIN)
+            calibration = [data.train_batch(p, calib_rng, part=part) for p in picks]
+            net.calibrate(calibration, margin=MARGIN)
             measured_densities = f"measured on {len(picks)} training batches"
+            if args.optimize:       # the plan that fits the budget, chosen with the measured densities
+                from .optimize_cli import fit_training_net
+                fit_training_net(net, calibration[0], args, out)
         if calibrates and args.memory_budget is not None:
             net.set_memory_budget(args.memory_budget)
         if resumed is not None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..codecs import GistConfig, rules
+from ..codecs import DPR_FORMATS, GistConfig, rules
 from ..codecs.bits import BitMask, PackedCodes
 from ..codecs.dpr import DPR, HalfStash
 from ..codecs.segmented import PerSample
@@ -148,11 +148,15 @@ class _Builder:
             return BitMask()
         if name == "index-4bit":
             return PackedCodes(4)
-        if name == "ssdc":
+        if name == "ssdc" or name.startswith("ssdc-"):
+            # "ssdc": values as the mode says (the DPR format under lossy modes); "ssdc-FORMAT":
+            # values in that format whatever the mode (what the optimizer chooses per tensor)
+            value_format = name[len("ssdc-"):] if name != "ssdc" else self.config.dpr if self.config.lossy else "fp32"
+            if value_format not in ("fp32",) + DPR_FORMATS:
+                raise ValueError(f"unknown encoding {name!r} in the Gist overrides")
             density = self.config.ssdc_density.get(buffer.tensor, 1.0)
             count = int(np.prod(buffer.shape))
-            return SSDC(max(1, math.ceil(density * count)), self.config.dpr if self.config.lossy else "fp32",
-                        formats=_ssdc_formats(density))
+            return SSDC(max(1, math.ceil(density * count)), value_format, formats=_ssdc_formats(density))
         if name in ("fp16", "fp10", "fp8-e4m3", "fp8-e5m2"):
             return DPR(name)
         raise ValueError(f"unknown encoding {name!r} in the Gist overrides")

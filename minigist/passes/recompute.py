@@ -19,13 +19,13 @@ whose forward draws random numbers (Dropout) replays with the numbers its forwar
 mask, still kept for its own backward). Any other saved tensor a replay writes goes to scratch:
 the backward reads the one the forward pass saved.
 
-Segments are ordered as their tensors' first backward readers. A segment starts from kept
-tensors and from the copies earlier segments rebuilt (each dropped tensor's copy lives from its
-replay to its last backward reader); every other map it rebuilds on the way (an unkept feature
-map, or a dropped tensor whose own segment comes later) is its own, freed as soon as the
-segment is done with it. So dropping every stash keeps only the copies whose backward readers
-are still to come, at the price of replaying a chain from the net's input for each: memory
-against time, as in the checkpointing of Chen et al. (2016).
+Segments are ordered as their tensors' first backward readers (ties in forward order). A
+segment starts from kept tensors and from the copies earlier segments rebuilt (each dropped
+tensor's copy lives from its replay to its last backward reader); every other map it rebuilds
+on the way (an unkept feature map, or a dropped tensor whose own segment comes later) is its
+own, freed as soon as the segment is done with it. So dropping every stash keeps only the
+copies whose backward readers are still to come, at the price of replaying a chain from the
+net's input for each: memory against time, as in the checkpointing of Chen et al. (2016).
 
 Order: this pass runs before Gist's. Gist then never encodes what is recomputed (the dropped
 tensors have no backward reader left, and the rebuilt copies are made in the backward pass,
@@ -154,7 +154,11 @@ class _Builder:
                 if name in self.dropped:
                     first_reader.setdefault(name, index)
         segments = {}
-        for name in sorted(self.dropped, key=lambda n: first_reader[n]):
+        # ties (one backward step reads two dropped tensors) in forward order: a tensor's
+        # source is rebuilt first and read by the later segment, whatever the set's order
+        order = {name: (first_reader[name], self.graph.blobs[self.buffers[name].tensor].producer)
+                 for name in self.dropped}
+        for name in sorted(self.dropped, key=order.__getitem__):
             segment = _Segment(name, self.buffers[name].tensor)
             self.replay(self.producer_step(name, segment.tensor), segment)
             self.rebuilt[name] = segment.copies[name]

@@ -1,0 +1,212 @@
+"""The optimizer's cost model: a predicted time, in seconds, for every step of a program.
+
+Two kinds, and the report names which one a plan was made with:
+
+- `FlopModel` (plan-only): a step takes flops / GEMM rate + bytes / memory bandwidth, where
+  flops are a convolution's or an inner product's multiply-adds (twice: one multiply, one
+  add; a backward step counts the input gradient and the weight gradient it computes) and
+  bytes are the sizes of every buffer the step names (each once; not its workspace, batch
+  chunks sized to stay in the caches: a smaller chunk is predicted neither faster nor slower,
+  which only a profiling run can tell). The two rates are the
+  reference ones (`reference_model`: fixed, so that a plan does not depend on the machine or
+  its load) or come from a micro-benchmark of about a second on this machine
+  (`measure_rates`): a float32 GEMM of the shape a convolution's im2col product has, and a
+  copy of an array much larger than the caches. A replay (passes/recompute.py) costs what its
+  forward step costs.
+- `MeasuredModel` (a training run): the times of the steps measured on this machine by a
+  short profiling run (`profile`: a few iterations of the programs the optimizer chooses
+  from, each step timed on its own, the median kept), looked up by what the step runs; a
+  step that was not profiled falls back to the FLOP model, scaled by how the profiled steps
+  compared with it.
+
+Either way the predicted time of a program is the sum of its steps' times, so that a plan's
+prediction is read off its real, compiled program.
+"""
+import math
+import time
+
+import numpy as np
+
+from .program import WORKSPACE
+
+# the step kinds a layer's own code runs (a replay is its forward once more)
+_LAYER_KINDS = ("forward", "backward", "recompute")
+
+
+def step_flops(step):
+    """Multiply-adds x 2 of a convolution or inner-product step (0 for every other step)."""
+    layer = step.layer
+    if layer is None or step.kind not in _LAYER_KINDS:
+        return 0
+    if layer.type == "Convolution":
+        kh, kw = layer.kernel
+        one_pass = 2 * math.prod(layer.top_shapes[0]) * (layer.bottom_shapes[0][1] // layer.group) * kh * kw
+    elif layer.type == "InnerProduct":
+        one_pass = 2 * math.prod(layer.top_shapes[0]) * layer.features
+    else:
+        return 0
+    if step.kind != "backward":
+        return one_pass
+    passes = int(any(name is not None for name in step.args.get("gx") or ())) + int(bool(step.args.get("gp")))
+    return one_pass * passes
+
+
+def step_bytes(step, buffers):
+    """Bytes of every buffer the step names, each counted once, but its workspace: scratch of
+    a batch chunk, sized to stay in the caches (the same traffic to memory whatever the chunk)."""
+    return sum(buffers[name].nbytes for name in set(step.buffer_names())
+               if name in buffers and buffers[name].category != WORKSPACE)
+
+
+def signature(step):
+    """What a step runs, as a key that holds across programs: a replay runs its layer's forward;
+    a chunked layer's key names its chunk size."""
+    kind = "forward" if step.kind == "recompute" else step.kind
+    name = step.layer.name if step.layer is not None else (step.note or str(step.args.get("target", "")))
+    if step.kind == "update":     # a layer's weights and bias are updated by two steps
+        name = f"{name}:{step.args.get('param')}"
+    op = "" if step.op is None or step.kind == "recompute" else type(step.op).__name__
+    chunk = getattr(step.layer, "chunk_bytes", None)    # a layer's time depends on its batch chunks
+    return (kind, name, op) if chunk is None else (kind, name, op, chunk)
+
+
+# The reference rates: what measure_rates found, with one BLAS thread, on the machine the
+# README's figures come from (a 2-core AMD EPYC with AVX-512). A plan-only run takes them unless
+# asked to measure: the same model file and budget then give the same plan on every machine and
+# every run (a measurement moves with the machine's load, and decisions near a tie with it).
+REFERENCE_GEMM_FLOPS = 75e9
+REFERENCE_BANDWIDTH = 34e9
+
+
+class FlopModel:
+    """Step time = flops / gemm_flops + bytes / bandwidth (both per second); `source` says
+    where the rates come from ("reference", "measured" or "given")."""
+    kind = "flops"
+
+    def __init__(self, gemm_flops, bandwidth, source="given"):
+        self.gemm_flops = float(gemm_flops)
+        self.bandwidth = float(bandwidth)
+        self.source = source
+
+    def step_seconds(self, step, program):
+        return step_flops(step) / self.gemm_flops + step_bytes(step, program.buffers) / self.bandwidth
+
+    def program_seconds(self, program):
+        return sum(self.step_seconds(step, program) for step in program.steps)
+
+    def bytes_seconds(self, nbytes):
+        """The time of a pass over `nbytes` (a step the model has no program for)."""
+        return nbytes / self.bandwidth
+
+    def describe(self):
+        where = {"reference": "the reference", "measured": "this machine's measured"}.get(self.source, "the given")
+        return (f"flops: FLOPs and bytes at {where} GEMM rate {self.gemm_flops / 1e9:.1f} GFLOP/s "
+                f"and memory bandwidth {self.bandwidth / 1e9:.1f} GB/s")
+
+    def to_json(self):
+        return {"kind": self.kind, "rates": self.source, "gemm_flops": self.gemm_flops,
+                "bandwidth_bytes_per_s": self.bandwidth}
+
+
+class MeasuredModel:
+    """Step times measured by `profile`, by `signature`; the FLOP model, scaled, elsewhere."""
+    kind = "measured"
+
+    def __init__(self, seconds, fallback, programs_profiled):
+        self.seconds = dict(seconds)
+        self.fallback = fallback
+        self.programs_profiled = programs_profiled
+        self.scale = 1.0
+
+    def calibrate(self, programs):
+        """Scale the fallback by measured / predicted over the profiled steps of `programs`."""
+        measured = predicted = 0.0
+        for program in programs:
+            for step in program.steps:
+                key = signature(step)
+                if key in self.seconds:
+                    measured += self.seconds[key]
+                    predicted += self.fallback.step_seconds(step, program)
+        self.scale = measured / predicted if predicted > 0 else 1.0
+
+    def step_seconds(self, step, program):
+        seconds = self.seconds.get(signature(step))
+        if seconds is None:
+            return self.scale * self.fallback.step_seconds(step, program)
+        return seconds
+
+    def program_seconds(self, program):
+        return sum(self.step_seconds(step, program) for step in program.steps)
+
+    def bytes_seconds(self, nbytes):
+        return self.scale * self.fallback.bytes_seconds(nbytes)
+
+    def describe(self):
+        return (f"measured: each step timed on this machine ({self.programs_profiled} programs profiled, "
+                f"{len(self.seconds)} distinct steps); steps not profiled from FLOPs and bytes")
+
+    def to_json(self):
+        return {"kind": self.kind, "steps_profiled": len(self.seconds), "programs_profiled": self.programs_profiled,
+                "gemm_flops": self.fallback.gemm_flops, "bandwidth_bytes_per_s": self.fallback.bandwidth}
+
+
+def _quantize(rate):
+    """A measured rate rounded to an eighth of an octave: reruns on one machine usually measure
+    the same model (the optimizer is deterministic for a given model)."""
+    return 2.0 ** (round(math.log2(rate) * 8) / 8)
+
+
+def measure_rates(seconds=1.0):
+    """(GEMM FLOP/s, memory bytes/s) of this machine, each the best of repeated runs within
+    about seconds / 2: a (512 x 1152) @ (1152 x 3136) float32 product (a 3x3 convolution's
+    im2col GEMM over one 56x56 image chunk) and a copy of a 64 MiB array (read and write)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((512, 1152), dtype=np.float32)
+    b = rng.standard_normal((1152, 3136), dtype=np.float32)
+    out = np.empty((512, 3136), np.float32)
+    gemm = _best_rate(lambda: np.matmul(a, b, out=out), 2 * 512 * 1152 * 3136, seconds / 2)
+    source = np.ones(16 << 20, np.float32)
+    target = np.empty_like(source)
+    copy = _best_rate(lambda: np.copyto(target, source), 2 * source.nbytes, seconds / 2)
+    return _quantize(gemm), _quantize(copy)
+
+
+def _best_rate(run, work, budget):
+    run()
+    best, start = math.inf, time.perf_counter()
+    while time.perf_counter() - start < budget:
+        tick = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - tick)
+    return work / best
+
+
+def flop_model(seconds=1.0):
+    """The FLOP model at this machine's measured rates."""
+    return FlopModel(*measure_rates(seconds), source="measured")
+
+
+def reference_model():
+    """The FLOP model at the reference rates (deterministic: no measurement)."""
+    return FlopModel(REFERENCE_GEMM_FLOPS, REFERENCE_BANDWIDTH, source="reference")
+
+
+def profile(nets, inputs, repeats=5):
+    """{signature: median seconds} of every step of the training programs of `nets`, each run
+    `repeats` + 1 times on `inputs` (the first a warm-up), the nets taking turns run by run
+    (a machine's drift then reaches every net alike), no update steps' effects kept out: the
+    profiled nets are throwaway copies, not the one that trains."""
+    samples = {}
+    for run in range(repeats + 1):
+        for net in nets:
+            executor = net.executors["train"]
+            program = net.compiled["train"].program
+            with net._threads():
+                net._feeder("train", inputs)(executor.arrays)
+                for step, bound in zip(program.steps, executor.steps):
+                    tick = time.perf_counter()
+                    bound()
+                    spent = time.perf_counter() - tick
+                    if run:
+                        samples.setdefault(signature(step), []).append(spent)
+    return {key: float(np.median(values)) for key, values in samples.items()}

@@ -1,0 +1,976 @@
+"""Fit a memory budget: for every tensor stashed for the backward pass, choose between keeping
+it in fp32, a lossless encoding (Gist's rules: the 1-bit ReLU mask, the fused ReLU->MaxPool
+code, SSDC at its measured density), a reduced precision (DPR in the --dpr format, when lossy
+is allowed) and recomputation, so that the exact static plan fits the budget at the least
+predicted step time.
+
+    plan = minigist.optimize("models/resnet20.prototxt", 40_000_000, batch_size=32)
+    plan.footprint_bytes, plan.predicted_overhead, plan.decisions
+    net = minigist.Net("models/resnet20.prototxt", batch_size=32, plan=plan)
+
+The optimizer chooses, the passes apply: a decision is an `Options` (Gist overrides by tensor,
+the tensors to recompute), compiled by the one pipeline (minigist.pipeline.compile), and the
+plan reported is that compiled plan, never an estimate.
+
+How it decides. The model is an integer one on the steps of the unoptimized program (every
+stash kept): the bytes live at each step (the static planner reaches that lower bound on every
+bundled model), and, per stashed tensor and choice, the intervals of bytes the choice takes
+away or adds, read off real compiled programs (one with Gist's lossless rules applied
+everywhere, one with the lossy encoding everywhere) mapped back onto those steps, with the
+in-place steps and workspace a code frees credited to it; a recomputation's rebuilt copy, the
+chain of forward steps it replays from kept tensors and the maps that chain rebuilds on the way
+come from the program itself. Time added per choice comes from the cost model
+(minigist/costmodel.py). Recomputing a tensor whose sources are themselves dropped and rebuilt
+only later replays their chains too, into private copies, up to SHORT_CHAIN replays deep (a
+derived term per segment and source carries that time, and the segment's peak is modelled
+replay by replay); LONG_CHAIN where short chains fit nothing, and for the smallest plan. That
+is a mixed 0-1 program: minimize the time added such that the bytes at every step stay under
+the budget, solved by HiGHS's MILP solver (scipy.optimize.milp; the choices are binary, the
+derived terms continuous and at their bounds). The choice is then compiled; where the model
+was below the exact plan, the model learns the difference step by step and solves again, a few
+times, until the exact plan fits. Deterministic for a given cost model: the solver stops at an
+optimality gap or a node count, never on a clock, on one thread; train.py --plan-only uses
+fixed reference rates.
+
+Under lossy modes, where short chains fit nothing at the layers' own batch chunks, the same
+search runs again with smaller chunks (SMALL_CHUNK_BYTES: less im2col workspace). Not under
+lossless: a GEMM over a chunk of another size rounds differently, so the weights would no longer
+match --gist none bit for bit.
+
+Lower bounds: `floor()` (the most bytes one step needs whatever is chosen) and
+`overhead_floor(budget)` (the least predicted overhead any plan within a budget needs, from one
+step at a time) bound every plan from below; the README's frontier table gives the first.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import MinigistError
+from .memory import align
+from .memory.report import footprint_report, live_by_step
+from .pipeline import Options, compile
+from .program import INPUT, STASH
+
+KEEP = "fp32"
+RECOMPUTE = "recompute"
+ROUNDS = 5              # compiles of candidate plans per solve, at most
+# replays one segment chains, at most (its own tensor's, then its sources'): a budget is first
+# fitted with short chains (a smaller model, solved in seconds), with long ones only where short
+# ones cannot fit it, and the smallest plan is searched with long ones
+SHORT_CHAIN, LONG_CHAIN = 4, 8
+# the batch chunks of the chunked layers (im2col's columns, pooling, BatchNorm, Scale, LRN)
+# where nothing fits at their own: one sample at a time for most convolutions
+SMALL_CHUNK_BYTES = 256 << 10
+# the solver's stopping rules, all deterministic (no time limit): a solution within these
+# fractions of the best possible one, or the best found after NODE_LIMIT branch-and-bound nodes
+PEAK_GAP = 5e-3
+TIME_GAP = 1e-2
+NODE_LIMIT = 3000
+_MIB = float(1 << 20)   # the solver works in MiB
+
+
+def _require_scipy():
+    try:
+        from scipy.optimize import milp  # noqa: F401
+    except ImportError:
+        raise MinigistError("--optimize needs scipy (HiGHS's MILP solver): pip install 'minigist[optimize]'") from None
+
+
+@dataclass
+class Decision:
+    """One stashed tensor's choice, as the report's decisions table shows it."""
+    tensor: str
+    layer: str
+    choice: str               # fp32, an encoding name (mask-1bit, ssdc, relu-pool-4bit (dropped), fp16, ...), recompute
+    raw_bytes: int
+    bytes_saved: int          # stash bytes no longer kept from the forward pass into the backward
+    seconds_added: float      # predicted time the choice adds to a step
+
+    def to_json(self):
+        return {"tensor": self.tensor, "layer": self.layer, "choice": self.choice, "raw_bytes": self.raw_bytes,
+                "bytes_saved": self.bytes_saved, "time_added_s": self.seconds_added}
+
+
+@dataclass
+class OptimizedPlan:
+    """A plan the optimizer chose: `options` compile to `compiled` (the exact plan); the
+    footprint counts the evaluation program's part where it needs more (as Net does)."""
+    options: Options
+    compiled: object
+    budget_bytes: object          # None: the smallest plan was asked for
+    footprint_bytes: int
+    baseline_footprint_bytes: int  # the same settings, every stash kept in fp32 (--gist none)
+    predicted_seconds: float
+    baseline_seconds: float
+    cost_model: object
+    decisions: list = field(default_factory=list)
+    rounds: int = 0               # candidate plans compiled
+
+    @property
+    def predicted_overhead(self):
+        return self.predicted_seconds / self.baseline_seconds - 1.0
+
+    @property
+    def ratio(self):
+        return self.baseline_footprint_bytes / self.footprint_bytes
+
+    def to_json(self):
+        return {"budget_bytes": self.budget_bytes, "footprint_bytes": self.footprint_bytes,
+                "baseline_footprint_bytes": self.baseline_footprint_bytes,
+                "predicted_overhead": round(self.predicted_overhead, 6),
+                "predicted_step_s": self.predicted_seconds, "baseline_step_s": self.baseline_seconds,
+                "cost_model": self.cost_model.describe(), "cost_model_detail": self.cost_model.to_json(),
+                "overrides": dict(self.options.overrides), "recompute": list(self.options.recompute),
+                "decisions": [d.to_json() for d in self.decisions]}
+
+
+@dataclass(eq=False)
+class _Option:
+    name: str
+    override: object           # the Gist override it needs (None: the lossless rule decides)
+    recompute: bool
+    intervals: list            # [(first step, last step, bytes)] relative to keeping the tensor
+    seconds: float             # time added relative to keeping it
+    holds_values: bool = True  # a replay may read it (not a 1-bit mask, not folded into a pool's codes)
+    whole_decode: bool = False  # decoded whole before its first reader (not slice by slice, not read as fp16)
+
+
+@dataclass(eq=False)
+class _Aux:
+    """A derived 0-1 term of the model: it holds when every term of one of its `groups` holds
+    (a term: a (tensor, option) pair, chosen, or another _Aux); when it holds it adds its
+    intervals of bytes and its seconds."""
+    groups: list
+    intervals: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Segment:
+    """One recomputation segment's peak, at step `at`: the bytes modelled live there plus
+    `bytes` for each (term, bytes) of `entries` that holds (the copy a replay writes, its
+    scratch and the private copies it reads)."""
+    at: int
+    entries: list
+
+
+@dataclass
+class _Stash:
+    tensor: str
+    layer: str
+    nbytes: int               # aligned
+    raw: int
+    produced: int
+    last_forward: int
+    first_reader: int
+    last_reader: int
+    options: list = field(default_factory=list)
+    sources: tuple = ()       # stashed blobs a replay starts from
+    chain_seconds: float = 0.0
+    chain_bytes: int = 0      # maps a replay rebuilds on the way (its own, freed when done)
+    in_place: bool = False    # not kept in fp32, its bytes go to its last forward reader's output
+
+
+def _positions(program, base_labels):
+    """Each step of `program` as the index of a step of the unoptimized program: its own, or
+    (a step a pass inserted) the next one (an encode runs after its producer, where that
+    step's input may be gone already, and before that next step, which holds all it holds
+    but its scratch; a decode or a replay: the reader it runs before)."""
+    original = ("forward", "backward", "seed", "zero", "accumulate", "update")
+    positions, j, last = [], 0, len(base_labels) - 1
+    for step in program.steps:
+        if j <= last and step.kind in original and step.label == base_labels[j]:
+            positions.append(j)
+            j += 1
+        else:
+            positions.append(min(j, last))
+    if j != len(base_labels):
+        raise AssertionError(f"program steps do not follow the unoptimized program's (matched {j} of {len(base_labels)})")
+    return positions
+
+
+def _on_base(values, positions, size):
+    """Per step of the unoptimized program: the largest of `values` at the steps mapped to it."""
+    out = np.zeros(size, dtype=np.float64)
+    np.maximum.at(out, np.asarray(positions), np.asarray(values, dtype=np.float64))
+    return out
+
+
+def lossy_overrides(graph, program, lossless, dpr):
+    """{stashed top: the Gist override of its lossy option}: SSDC with `dpr` values where the
+    lossless rules give it SSDC, else DPR in `dpr` where that applies (float32, a batch of
+    maps, 4 KiB or more). `program` is the unoptimized training program, `lossless` the one
+    under the lossless rules. Left out: a top named as a layer with saved tensors (a pool's
+    argmax) or as a max-pool, since Gist's overrides also match layer names and the override
+    would reach the layer's codes too."""
+    layers = {node.layer.name: node.layer for node in graph.nodes}
+    saved = {b.layer for b in program.buffers.values() if b.kind == "saved"}
+    overrides = {}
+    for name, buffer in program.buffers.items():
+        if buffer.kind != "blob" or buffer.category != STASH:
+            continue
+        tensor = buffer.tensor
+        if tensor in layers and (tensor in saved or layers[tensor].type == "Pooling"):
+            continue
+        encoding = lossless.encodings.get(name)
+        if encoding is not None and encoding.name == "ssdc":
+            overrides[tensor] = f"ssdc-{dpr}"
+        elif (buffer.dtype == np.float32 and buffer.nbytes >= 4096 and len(buffer.shape) >= 2
+              and buffer.shape[0] == graph.batch_size):
+            overrides[tensor] = dpr
+    return overrides
+
+
+class Optimizer:
+    """The model of one net under fixed settings (`options`: batch, engine, update, densities,
+    chunks; its gist, overrides and recompute are ignored), for one cost model. `lossy`: DPR
+    (in options.dpr) may be chosen, and, where nothing fits at the layers' own batch chunks,
+    smaller ones (SMALL_CHUNK_BYTES: less workspace; a sum over a batch then rounds
+    differently, so never under lossless). `reference`: the optimizer at the layers' own
+    chunks, whose unoptimized plan this one's plans are compared with."""
+
+    def __init__(self, model, options, cost_model, lossy=False, reference=None):
+        _require_scipy()
+        if options.alloc != "static":
+            raise MinigistError(f"--optimize plans for --alloc static (the exact plan), not {options.alloc}")
+        self.model = model
+        self.lossy = lossy
+        self.cost = cost_model
+        self.options = options.replace(gist="lossless", overrides=(), recompute=(), budget=None)
+        self.base = compile(model, self.options.replace(gist="none"))
+        self.graph = self.base.graph
+        self.eval_transient = compile(model, self.options, "TEST", graph=None).plan.transient_bytes
+        program = self.base.program
+        self.steps = len(program.steps)
+        self.labels = [s.label for s in program.steps]
+        self.base_seconds = self.cost.program_seconds(program)
+        self.step_cost = [self.cost.step_seconds(s, program) for s in program.steps]
+        self.base_live = live_by_step(self.base.plan).astype(np.float64)
+        self.first_backward = next(i for i, s in enumerate(program.steps) if s.kind != "forward")
+        # what plans are compared with: every stash kept in fp32, at the layers' own chunks
+        self.reference = reference
+        self.baseline_footprint = reference.baseline_footprint if reference else self._needed(self.base)
+        self.baseline_seconds = reference.base_seconds if reference else self.base_seconds
+        self._chunked = None
+        self.stashes = self._stashes()
+        self.lossless = compile(model, self.options)
+        # a layer's saved tensors (a pool's argmax, Dropout's mask) take their lossless code
+        # whatever is chosen: the model counts them so from the start
+        self.base_live += self._saved_codes(self.lossless)
+        self._mark_in_place(self.lossless)
+        self._add_codec_options(self.lossless, lossy=False)
+        if lossy:
+            overrides = {tensor: override for tensor, override in
+                         lossy_overrides(self.graph, program, self.lossless.program, options.dpr).items()
+                         if tensor in self.stashes}
+            if overrides:
+                self._add_codec_options(compile(model, self.options.replace(overrides=overrides)), lossy=True,
+                                        overrides=overrides)
+        for stash in self.stashes.values():
+            self._add_recompute_option(stash)
+        self.chain = None
+        self._use_chain(SHORT_CHAIN)
+        # the model is exact where it was measured: start from the lossless rules everywhere
+        self.correction = np.zeros(self.steps)
+        rules = {t: next((o for o in s.options if o.override is None and not o.recompute), s.options[0])
+                 for t, s in self.stashes.items()}
+        # (where the compiled program holds less than the model, the model keeps its own count:
+        # a saving no option explains may not hold under another choice)
+        self.initial_correction = np.maximum(0.0, self._residual(rules, self.lossless))
+        self.correction = self.initial_correction
+
+    # ---- the model ----------------------------------------------------------------------
+    def _needed(self, compiled):
+        """Bytes the plan needs: its footprint, and the evaluation program's part where larger."""
+        plan = compiled.plan
+        return plan.footprint_bytes + max(0, self.eval_transient - plan.transient_bytes)
+
+    def _stashes(self):
+        program = self.base.program
+        stashes = {}
+        for name, buffer in program.buffers.items():
+            if buffer.kind != "blob" or buffer.category != STASH:
+                continue
+            uses = [i for i, s in enumerate(program.steps) if name in set(s.buffer_names())]
+            forward = [i for i in uses if i < self.first_backward]
+            backward = [i for i in uses if i >= self.first_backward]
+            if not forward or not backward:
+                continue
+            stash = _Stash(buffer.tensor, buffer.layer, align(buffer.nbytes), buffer.nbytes, buffer.first_use,
+                           max(forward), min(backward), max(backward))
+            stash.options.append(_Option(KEEP, KEEP, False, [], 0.0))
+            stashes[buffer.tensor] = stash
+        return stashes
+
+    def _freed(self, stash):
+        """The fp32 tensor no longer kept after its last forward use (from that step on where
+        its last forward reader writes its output over it, in place)."""
+        start = stash.last_forward + (0 if stash.in_place else 1)
+        if start > stash.last_reader:
+            return []
+        return [(start, stash.last_reader, -stash.nbytes)]
+
+    def _saved_codes(self, compiled):
+        """Per step of the unoptimized program: the bytes `compiled` holds for the layers'
+        saved tensors (their codes, decoded parts and codec scratch) less what the unoptimized
+        program holds for them."""
+        program, base = compiled.program, self.base.program
+        positions = _positions(program, self.labels)
+        delta = np.zeros(self.steps)
+        for name in program.encodings:
+            buffer = program.buffers[name]
+            if buffer.kind != "saved":
+                continue
+            tensor = buffer.tensor
+            for other in program.buffers.values():
+                if other.tensor in (tensor, f"{tensor}.encode", f"{tensor}.decode"):
+                    delta[positions[other.first_use]:positions[other.last_use] + 1] += align(other.nbytes)
+            kept = base.buffers[name]
+            delta[kept.first_use:kept.last_use + 1] -= align(kept.nbytes)
+        return delta
+
+    def _mark_in_place(self, compiled):
+        """Mark each stash whose fp32 bytes the compiled program gives, once encoded, to an
+        output of its last forward reader (an in-place step the unoptimized program cannot
+        take, the tensor being kept): dropped or encoded, the tensor frees its bytes one step
+        earlier."""
+        program, plan = compiled.program, compiled.plan
+        for group in plan.groups:
+            for name in group.members:
+                buffer = program.buffers[name]
+                stash = self.stashes.get(buffer.tensor) if buffer.kind == "blob" else None
+                if stash is not None and name in program.encodings and any(
+                        program.buffers[other].first_use == buffer.last_use for other in group.members if other != name):
+                    stash.in_place = True
+
+    def _add_codec_options(self, compiled, lossy, overrides=None):
+        """An option per stash that `compiled` encodes (its encoding's buffers and steps), from
+        the lossless rules' program or, `lossy`, the program with `overrides`."""
+        program = compiled.program
+        positions = _positions(program, self.labels)
+        owned = {}          # tensor -> [buffer names]
+        for name, buffer in program.buffers.items():
+            if buffer.kind in ("enc", "dec"):
+                owned.setdefault(buffer.tensor, []).append(name)
+            elif buffer.kind == "ws" and buffer.tensor.endswith((".encode", ".decode")):
+                owned.setdefault(buffer.tensor.rsplit(".", 1)[0], []).append(name)
+        reverse = {n: t for t, names in owned.items() for n in names}
+        seconds, workspace = {}, {}
+        base = self.base.program
+        for index, step in enumerate(program.steps):
+            cost = self.cost.step_seconds(step, program)
+            if step.kind in ("encode", "decode"):
+                seconds[step.note] = seconds.get(step.note, 0.0) + cost
+                continue
+            if step.kind not in ("forward", "backward"):
+                continue
+            at = positions[index]
+            readers = {reverse[n] for n in step.buffer_names() if n in reverse}
+            if step.kind == "backward" and step.label == base.steps[at].label:
+                # a reader whose code another layer's step decodes (a ReLU's mask in its pool's codes)
+                readers |= {base.buffers[n].tensor for n in base.steps[at].buffer_names(("x", "y"))
+                            if n is not None and n in program.encodings and base.buffers[n].tensor in self.stashes}
+            if not readers:
+                continue
+            delta = cost - self.step_cost[at]
+            # a reader of codes may need other workspace than the fp32 reader (a ReLU's
+            # backward from its 1-bit mask needs no byte mask of the tensor)
+            scratch = (sum(align(program.buffers[n].nbytes) for n in set(step.buffer_names(("ws",))) if n not in reverse)
+                       - sum(align(base.buffers[n].nbytes) for n in set(base.steps[at].buffer_names(("ws",)))))
+            for tensor in readers:
+                seconds[tensor] = seconds.get(tensor, 0.0) + delta / len(readers)
+                if scratch:
+                    workspace.setdefault(tensor, []).append((at, at, scratch // len(readers)))
+        for tensor, stash in self.stashes.items():
+            encoding = program.encodings.get(f"blob:{tensor}")
+            if encoding is None or encoding.name == "recomputed":
+                continue
+            if lossy and (overrides or {}).get(tensor) is None:
+                continue
+            intervals = self._freed(stash) + workspace.get(tensor, [])
+            for name in owned.get(tensor, []):
+                buffer = program.buffers[name]
+                intervals.append((positions[buffer.first_use], positions[buffer.last_use], align(buffer.nbytes)))
+            label = encoding.name
+            if label == "dropped":
+                label = "dropped (in the pool's codes)"
+            override = overrides[tensor] if lossy else None
+            decoded = program.buffers.get(encoding.decoded) if encoding.decoded else None
+            holds_values = encoding.codec is not None and encoding.name not in ("mask-1bit",)
+            whole = decoded is not None and decoded.nbytes >= stash.raw
+            stash.options.append(_Option(label, override, False, intervals, seconds.get(tensor, 0.0),
+                                         holds_values=holds_values, whole_decode=whole))
+
+    def _add_recompute_option(self, stash):
+        program, graph = self.base.program, self.graph
+        chain, sources, seen = [], set(), set()
+
+        def visit(name):
+            buffer = program.buffers[name]
+            if buffer.category in (STASH, INPUT) and name != f"blob:{stash.tensor}":
+                if buffer.category == STASH and buffer.kind == "blob":
+                    sources.add(buffer.tensor)
+                return buffer.category == INPUT or buffer.kind == "blob"
+            index = graph.blobs[buffer.tensor].producer
+            if index in seen:
+                return True
+            seen.add(index)
+            step = program.steps[index]
+            if step.kind != "forward" or not step.layer.recomputable:
+                return False
+            if not all(visit(x) for x in step.args["x"]):
+                return False
+            chain.append(index)
+            return True
+
+        if not visit(f"blob:{stash.tensor}"):
+            return
+        stash.sources = tuple(sorted(s for s in sources if s in self.stashes))
+        stash.chain_seconds = sum(self.step_cost[i] for i in chain)
+        scratch = 0
+        for index in chain:
+            step = program.steps[index]
+            for role in ("y", "ws", "saved"):
+                for name in set(step.buffer_names((role,))):
+                    if name != f"blob:{stash.tensor}":
+                        scratch += align(program.buffers[name].nbytes)
+        stash.chain_bytes = scratch
+        intervals = self._freed(stash) + [(stash.first_reader, stash.last_reader, stash.nbytes)]
+        stash.options.append(_Option(RECOMPUTE, None, True, intervals, stash.chain_seconds))
+
+    def _interactions(self):
+        """What one tensor's choice does to another's, as (derived terms, forbidden groups,
+        segment peaks).
+
+        A recomputed tensor T's segment replays T's chain from its sources; a source that is
+        recomputed too but rebuilt only later (its first backward reader comes after T's) is
+        replayed on the way, into a private copy, from its own sources, and so on up to
+        `self.chain` replays deep: a derived term per (T, source reached) says that T's segment
+        replays it (its chain's time again). The segment's peak is modelled replay by replay:
+        the copy a replay writes and its scratch, with the private copies it reads (the pass
+        frees each private copy after its last replay).
+        A source read by a replay of T's segment in a code:
+        - without values (a ReLU's 1-bit mask, its place in a pool's codes): forbidden, Gist
+          gives a replay's source values;
+        - with values: decoded before the first replay that reads it, whole (its own readers
+          may have decoded it slice by slice or read fp16 codes as they are);
+        - fp32 kept, or a copy rebuilt by an earlier segment, whose last backward reader
+          comes before T's segment: it lives on until the segment."""
+        aux, forbidden, segments = [], [], []
+        recompute = {t: o for t, s in self.stashes.items() for o in s.options if o.recompute}
+        keep = {t: s.options[0] for t, s in self.stashes.items()}
+        readers = {}            # source -> {T: [terms: T's segment replays a step that reads it]}
+        for tensor, stash in self.stashes.items():
+            if tensor not in recompute:
+                continue
+            at = stash.first_reader
+            replays = {tensor: (tensor, recompute[tensor])}    # C -> the term "T's segment replays C"
+            depth, order = {tensor: 1}, [tensor]
+            for node in order:                                   # grows as sources are reached
+                for source in self.stashes[node].sources:
+                    readers.setdefault(source, {}).setdefault(tensor, []).append(replays[node])
+                    other = self.stashes[source]
+                    if source not in recompute or other.first_reader <= at:
+                        continue        # kept, encoded, or rebuilt by an earlier segment
+                    group = [replays[node], (source, recompute[source])]
+                    if depth[node] >= self.chain:
+                        forbidden.append(group)
+                        continue
+                    if source not in replays:
+                        replays[source] = _Aux([], [], other.chain_seconds)
+                        aux.append(replays[source])
+                        depth[source] = depth[node] + 1
+                        order.append(source)
+                    replays[source].groups.append(group)
+            for node in order:
+                own = self.stashes[node]
+                entries = [(replays[node], own.chain_bytes + (own.nbytes if node != tensor else 0))]
+                entries += [(replays[source], self.stashes[source].nbytes) for source in own.sources
+                            if source in replays and source != tensor]
+                segments.append(_Segment(at, [(term, nbytes) for term, nbytes in entries if nbytes]))
+        for source, by_tensor in readers.items():
+            other = self.stashes[source]
+            tensors = sorted(by_tensor, key=lambda t: (self.stashes[t].first_reader, self.stashes[t].produced))
+            reads = {}
+            for tensor in tensors:
+                terms = by_tensor[tensor]
+                if len(terms) == 1:
+                    reads[tensor] = terms[0]
+                else:           # the segment reads it when any of its replays that read it runs
+                    reads[tensor] = _Aux([[term] for term in terms])
+                    aux.append(reads[tensor])
+            for tensor in tensors:          # a copy or fp32 tensor read past its last reader
+                at = self.stashes[tensor].first_reader
+                if at <= other.last_reader:
+                    continue
+                for option in (keep[source], recompute.get(source)):
+                    if option is not None and (option.name == KEEP or other.first_reader <= at):
+                        aux.append(_Aux([[reads[tensor], (source, option)]], [(other.last_reader + 1, at, other.nbytes)]))
+            for option in other.options:
+                if option.recompute or option.name == KEEP:
+                    continue
+                if not option.holds_values:
+                    for tensor in tensors:
+                        forbidden.append([reads[tensor], (source, option)])
+                    continue
+                end = other.first_reader - 1 if option.whole_decode else other.last_reader
+                if not option.whole_decode:     # one decode step of the whole tensor, where none was
+                    encoded = sum(n for _, _, n in option.intervals if n > 0)
+                    aux.append(_Aux([[reads[t], (source, option)] for t in tensors], [],
+                                    self.cost.bytes_seconds(other.raw + encoded)))
+                # the decoded copy, made by the first segment that reads it, lives on to `end`:
+                # one term per segment, "made by now", each at least the one before
+                starts = [self.stashes[t].first_reader for t in tensors] + [end + 1]
+                made = None
+                for index, tensor in enumerate(tensors):
+                    first, last = starts[index], min(end, starts[index + 1] - 1)
+                    groups = [[reads[tensor], (source, option)]] + ([[made]] if made is not None else [])
+                    made = _Aux(groups, [(first, last, other.nbytes)] if first <= last else [])
+                    aux.append(made)
+        return aux, forbidden, segments
+
+    def _use_chain(self, depth):
+        """Model recomputation segments of up to `depth` replays."""
+        if depth != self.chain:
+            self.chain = depth
+            self.aux, self.forbidden, self.segments = self._interactions()
+
+    def _values(self, choice):
+        """{id(term): 0 or 1} of every derived term under {tensor: option}."""
+        values = {}
+
+        def holds(term):
+            if isinstance(term, tuple):
+                return choice[term[0]] is term[1]
+            key = id(term)
+            if key not in values:
+                values[key] = any(all(holds(t) for t in group) for group in term.groups)
+            return values[key]
+        for term in self.aux:
+            holds(term)
+        return values
+
+    def _curve(self, choice):
+        """The modelled bytes live per step under {tensor: option} (a segment's replays at
+        their step, where they hold more than the step itself)."""
+        curve = self.base_live + self.correction
+        for option in choice.values():
+            for first, last, nbytes in option.intervals:
+                curve[first:last + 1] += nbytes
+        values = self._values(choice)
+        for term in self.aux:
+            if values[id(term)]:
+                for first, last, nbytes in term.intervals:
+                    curve[first:last + 1] += nbytes
+        level = curve.copy()
+        for segment in self.segments:
+            held = sum(n for term, n in segment.entries
+                       if (choice[term[0]] is term[1] if isinstance(term, tuple) else values[id(term)]))
+            curve[segment.at] = max(curve[segment.at], level[segment.at] + held)
+        return curve
+
+    def _residual(self, choice, compiled):
+        """Real bytes live per step (mapped onto the unoptimized program's steps) less the
+        model's, at `choice`, with the correction in force now taken out."""
+        real = _on_base(live_by_step(compiled.plan), _positions(compiled.program, self.labels), self.steps)
+        return real - (self._curve(choice) - self.correction)
+
+    # ---- solving -------------------------------------------------------------------------
+    def _solve(self, cap_bytes=None, cap_seconds=None, minimize_peak=False):
+        """{tensor: option} minimizing the time added under the peak cap (or the peak under the
+        time cap, ties to the least time); None when the model has no solution."""
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_array
+
+        columns, ranges, index_of = [], [], {}   # a column per (tensor, option); then the derived terms; then the peak
+        for tensor, stash in self.stashes.items():
+            start = len(columns)
+            for option in stash.options:
+                index_of[(tensor, id(option))] = len(columns)
+                columns.append((tensor, option))
+            ranges.append((start, len(columns)))
+        aux_start = len(columns)
+        for k, term in enumerate(self.aux):
+            index_of[id(term)] = aux_start + k
+        peak = aux_start + len(self.aux)
+        level = peak + 1                            # then one level per segment (below)
+
+        def column(term):
+            return index_of[(term[0], id(term[1]))] if isinstance(term, tuple) else index_of[id(term)]
+
+        items = [(c, o.intervals) for c, (_, o) in enumerate(columns)]
+        items += [(aux_start + k, term.intervals) for k, term in enumerate(self.aux)]
+        # step segments over which every column's bytes are constant
+        cuts = {0, self.steps}
+        for _, intervals in items:
+            for first, last, _ in intervals:
+                cuts.update((first, last + 1))
+        cuts = sorted(cuts)
+        segment_of = np.zeros(self.steps + 1, dtype=np.int64)
+        for index, (start, end) in enumerate(zip(cuts[:-1], cuts[1:])):
+            segment_of[start:end] = index
+        segments = len(cuts) - 1
+        count = level + segments
+        seconds = [o.seconds for _, o in columns] + [t.seconds for t in self.aux] + [0.0] * (1 + segments)
+        level_of = self.base_live + self.correction
+        constant = np.array([level_of[s:e].max() for s, e in zip(cuts[:-1], cuts[1:])])
+        rows, cols, vals, lower, upper = [], [], [], [], []
+
+        def add_row(entries, low, high):
+            row = len(lower)
+            for col, value in entries:
+                rows.append(row)
+                cols.append(col)
+                vals.append(value)
+            lower.append(low)
+            upper.append(high)
+
+        # the bytes live in each segment as a variable, each equal to the one before plus what
+        # starts and less what ended there: a column takes two entries per interval, not one
+        # per segment it spans (a sparse, banded matrix: the LPs solve many times faster)
+        changes = [[] for _ in range(segments)]
+        for col, intervals in items:
+            for first, last, nbytes in intervals:
+                changes[segment_of[first]].append((col, -nbytes / _MIB))
+                if segment_of[last] + 1 < segments:
+                    changes[segment_of[last] + 1].append((col, nbytes / _MIB))
+        for segment in range(segments):
+            entries = [(level + segment, 1.0)] + changes[segment]
+            step = constant[segment] - (constant[segment - 1] if segment else 0.0)
+            if segment:
+                entries.append((level + segment - 1, -1.0))
+            add_row(entries, step / _MIB, step / _MIB)
+            add_row([(level + segment, 1.0), (peak, -1.0)], -np.inf, 0.0)
+        for start, end in ranges:                        # one option per tensor
+            add_row([(c, 1.0) for c in range(start, end)], 1.0, 1.0)
+        for k, term in enumerate(self.aux):              # a derived term holds when a group of its does
+            for group in term.groups:
+                add_row([(column(t), 1.0) for t in group] + [(aux_start + k, -1.0)], -np.inf, len(group) - 1)
+        for group in self.forbidden:
+            add_row([(column(t), 1.0) for t in group], -np.inf, len(group) - 1)
+        for replay in self.segments:                     # a recomputation segment's replays
+            add_row([(level + segment_of[replay.at], 1.0), (peak, -1.0)] +
+                    [(column(t), n / _MIB) for t, n in replay.entries], -np.inf, 0.0)
+        if cap_seconds is not None:
+            add_row([(c, v) for c, v in enumerate(seconds) if v], -np.inf, cap_seconds)
+        matrix = coo_array((vals, (rows, cols)), shape=(len(lower), count)).tocsr()
+        integrality = np.zeros(count)
+        integrality[:aux_start] = 1     # the derived terms follow the choices: at their bounds, 0 or 1
+        low, high = np.zeros(count), np.ones(count)
+        low[peak:], high[peak:] = -np.inf, np.inf
+        if cap_bytes is not None:
+            high[peak] = cap_bytes / _MIB
+        constraints = LinearConstraint(matrix, lower, upper)
+        if minimize_peak:       # the peak, ties to the least time (1% of the step weighs 0.1 MiB)
+            objective = np.array(seconds) * (0.1 / (0.01 * self.base_seconds))
+            objective[peak] = 1.0
+            options = {"mip_rel_gap": PEAK_GAP, "node_limit": NODE_LIMIT}
+        else:
+            objective = np.array(seconds)
+            options = {"mip_rel_gap": TIME_GAP, "node_limit": NODE_LIMIT}
+        result = milp(objective, integrality=integrality, bounds=Bounds(low, high), constraints=constraints,
+                      options=options)
+        if result.x is None:
+            return self._no_answer(result)
+        return {tensor: option for column, (tensor, option) in enumerate(columns) if result.x[column] > 0.5}
+
+    @staticmethod
+    def _no_answer(result):
+        if result.status not in (1, 2):     # infeasible, or no solution within the node limit
+            raise MinigistError(f"the optimizer's MILP solver stopped: {result.message}")
+        return None
+
+    def _model_seconds(self, choice):
+        seconds = sum(option.seconds for option in choice.values())
+        values = self._values(choice)
+        return seconds + sum(term.seconds for term in self.aux if values[id(term)])
+
+    def options_for(self, choice):
+        """The pipeline's Options that carry out {tensor: option}."""
+        overrides = {t: o.override for t, o in choice.items() if o.override is not None}
+        recompute = [t for t in self.stashes if choice[t].recompute]
+        return self.options.replace(overrides=overrides, recompute=recompute)
+
+    def _plan(self, choice, compiled, budget):
+        seconds = self.cost.program_seconds(compiled.program)
+        report_rows = {row["tensor"]: row for row in footprint_report(compiled.plan)["stash"]}
+        decisions = []
+        for tensor, stash in self.stashes.items():
+            option = choice[tensor]
+            row = report_rows.get(tensor)
+            stored = row["stored_bytes"] if row is not None else 0
+            kept = stash.nbytes
+            name = option.name
+            if option.recompute:
+                stored = 0
+            elif name == KEEP:
+                stored = kept
+            decisions.append(Decision(tensor, stash.layer, name, stash.raw, kept - stored, option.seconds))
+        return OptimizedPlan(self.options_for(choice), compiled, budget, self._needed(compiled),
+                             self.baseline_footprint, seconds, self.baseline_seconds, self.cost, decisions)
+
+    def _compiled_plan(self, choice, budget):
+        return self._plan(choice, compile(self.model, self.options_for(choice)), budget)
+
+    def _learn(self, choice, plan):
+        """Carry the model's error at `choice`, step by step, into the next solves: from now
+        on the correction at each step is at least the compiled plan's bytes less the model's
+        (without correction) there, so that the model at `choice` is never below the exact
+        plan and a choice that missed the budget is not chosen again. (Adding the error to the
+        correction instead counted the correction in force twice: where it was negative, in
+        place pairs the model cannot see, the model stayed below the plan after learning and
+        the same choice came back every round.)"""
+        self.correction = np.maximum(self.correction, self._residual(choice, plan.compiled))
+
+    def _unplaced(self, plan):
+        """Bytes of the exact footprint above the most bytes live at one step (or the
+        evaluation program's need): what the static planner could not pack, which the model,
+        counting live bytes, cannot see."""
+        compiled = plan.compiled.plan
+        live = max(int(live_by_step(compiled).max()), compiled.persistent_bytes + self.eval_transient)
+        return max(0, plan.footprint_bytes - live)
+
+    def fit(self, budget):
+        """The plan of least predicted time whose exact footprint fits `budget` bytes; a
+        MinigistError naming the smallest footprint reachable when none does. Under lossy
+        modes, smaller batch chunks where short recomputation chains fit nothing at the
+        layers' own."""
+        chunked = self._chunked_optimizer()
+        if chunked is None:
+            return self._fit(budget)
+        plan = self._fit(budget, short_only=True)
+        return plan if plan is not None else chunked._fit(budget)
+
+    def smallest(self):
+        """The plan of the smallest exact footprint the model finds (the least time among
+        equals), smaller chunks included under lossy modes."""
+        plans = [o._smallest() for o in self._family()]
+        return min((p for p in plans if p is not None), key=lambda p: p.footprint_bytes)
+
+    def within(self, overhead):
+        """The plan of the smallest footprint whose predicted overhead is at most `overhead`
+        (a fraction); None when the model finds none."""
+        plans = []
+        for optimizer in self._family():
+            cap = optimizer.baseline_seconds * (1 + overhead) - optimizer.base_seconds
+            if cap >= 0:
+                plans.append(optimizer._smallest(cap_seconds=cap))
+        plans = [p for p in plans if p is not None]
+        return min(plans, key=lambda p: p.footprint_bytes) if plans else None
+
+    def _family(self):
+        chunked = self._chunked_optimizer()
+        return [self] if chunked is None else [self, chunked]
+
+    def _chunked_optimizer(self):
+        """The optimizer of the same settings at SMALL_CHUNK_BYTES (lossy modes only; None
+        elsewhere, or where the chunks are set already)."""
+        if not self.lossy or self.reference is not None or self.options.chunk_bytes is not None:
+            return None
+        if self._chunked is None:
+            self._chunked = Optimizer(self.model, self.options.replace(chunk_bytes=SMALL_CHUNK_BYTES), self.cost,
+                                      lossy=True, reference=self)
+        return self._chunked
+
+    def _fit(self, budget, short_only=False):
+        """fit() at this optimizer's chunks (`short_only`: None where short chains fit nothing)."""
+        budget = int(budget)
+        self._use_chain(SHORT_CHAIN)
+        plan = self._fit_rounds(budget)
+        if plan is not None or short_only:
+            return plan
+        # past what short chains reach: the smallest plan first (a solve that always has an
+        # answer; proving that none fits a budget takes the solver far longer), then, where it
+        # fits, the least time with long chains
+        smallest = self._smallest()
+        if smallest.footprint_bytes > budget:
+            raise MinigistError(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint reachable "
+                                f"{self.mode_words()} is {smallest.footprint_bytes:,} bytes; {dominated_by(smallest)}")
+        plan = self._fit_rounds(budget)
+        if plan is not None and plan.predicted_seconds <= smallest.predicted_seconds:
+            return plan
+        smallest.budget_bytes = budget
+        return smallest
+
+    def _fit_rounds(self, budget):
+        """The plan of least predicted time that fits `budget` with the chains modelled now,
+        in up to ROUNDS solves and compiles (None when none of them fits)."""
+        self.correction = self.initial_correction      # what one call learns stays in it: deterministic
+        margin = 0.0
+        for round_index in range(ROUNDS):
+            choice = self._solve(cap_bytes=budget - margin)
+            if choice is None:
+                return None
+            plan = self._compiled_plan(choice, budget)
+            plan.rounds = round_index + 1
+            if plan.footprint_bytes <= budget:
+                return plan
+            self._learn(choice, plan)
+            margin = max(margin, self._unplaced(plan))
+        return None
+
+    def mode_words(self):
+        if not self.lossy:
+            return "with fp32, lossless encodings and recomputation"
+        return f"with fp32, lossless encodings, {self.options.dpr}, recomputation and smaller batch chunks"
+
+    def _smallest(self, cap_seconds=None):
+        """The plan of the smallest exact footprint the model finds (the least time among
+        equals), within `cap_seconds` of predicted time added to this optimizer's own
+        unoptimized program when given; None when the model finds none within it. Long
+        recomputation chains for the smallest of all, short ones under a time cap (long chains
+        cost more time than such caps allow)."""
+        best, bias = None, 0.0
+        self._use_chain(LONG_CHAIN if cap_seconds is None else SHORT_CHAIN)
+        self.correction = self.initial_correction
+        for round_index in range(3):
+            choice = self._solve(cap_seconds=None if cap_seconds is None else cap_seconds - bias, minimize_peak=True)
+            if choice is None:
+                break
+            plan = self._compiled_plan(choice, None)
+            plan.rounds = round_index + 1
+            added = plan.predicted_seconds - self.base_seconds
+            within = cap_seconds is None or added <= cap_seconds * (1 + 1e-9)
+            if within and (best is None or plan.footprint_bytes < best.footprint_bytes):
+                best = plan
+            before = (self.correction, bias)
+            self._learn(choice, plan)
+            # the compiled plan's own time is the prediction; where the model's sum missed it
+            # (decodes a replay's sources need), the next solve asks for that much less
+            bias = max(bias, added - self._model_seconds(choice))
+            if bias == before[1] and np.array_equal(self.correction, before[0]):
+                break       # the model was right at this choice: the next solve would repeat it
+        return best
+
+    def floor(self):
+        """A lower bound on the footprint of every plan this optimizer can choose: the most
+        bytes one step of the unoptimized program needs whatever is chosen. At each step:
+        the persistent bytes (weights, momentum), the net's inputs, every other buffer the
+        step names that no choice changes (its gradients, weight gradient and workspace, in
+        place where the plan shares them), each stashed top it names in the smallest form any
+        option gives it there (fp32 in the forward pass; in the backward pass kept, its
+        encoding's codes and decoded part, or the copy a recomputation rebuilds), and 0 for a
+        layer's saved tensors; the evaluation program's need too. Everything else live at
+        that step (stashes of other steps, other branches' gradients) counts 0, so no plan
+        reaches below it. Under lossy modes the smaller of this bound and the one at smaller
+        batch chunks. Returns (bytes, the step's label, {category: bytes})."""
+        chunked = self._chunked_optimizer()
+        own = self._floor()
+        return own if chunked is None else min(own, chunked._floor(), key=lambda found: found[0])
+
+    def _floor(self):
+        program, plan = self.base.program, self.base.plan
+        group_of = {name: index for index, group in enumerate(plan.groups) for name in group.members}
+        inputs = {group_of[n] for n, b in program.buffers.items() if b.category == INPUT and n in group_of}
+        best = (plan.persistent_bytes + self.eval_transient, "the evaluation program", {})
+        for index, step in enumerate(program.steps):
+            parts, ending, starting = {}, 0, 0
+            named = {}
+            for name in set(step.buffer_names()):
+                buffer = program.buffers[name]
+                if not buffer.persistent and (buffer.category != STASH or buffer.tensor in self.stashes):
+                    named.setdefault(group_of[name], []).append(buffer)
+            for g in inputs - set(named):
+                if plan.groups[g].first_use <= index <= plan.groups[g].last_use:
+                    named[g] = [program.buffers[plan.groups[g].members[0]]]
+            for g, buffers in named.items():
+                group = plan.groups[g]
+                held, category, last = 0, None, group.last_use
+                for buffer in buffers:      # in place: the members share the group's bytes
+                    stash = self.stashes.get(buffer.tensor) if buffer.kind == "blob" else None
+                    if stash is None:
+                        nbytes = align(group.nbytes)
+                    elif index <= stash.last_forward:
+                        nbytes, last = stash.nbytes, stash.last_forward
+                    else:
+                        nbytes = min(stash.nbytes + sum(n for first, end, n in option.intervals if first <= index <= end)
+                                     for option in stash.options)
+                        last = stash.last_reader
+                    if nbytes > held:
+                        held, category = nbytes, (STASH if stash is not None else buffer.category)
+                    category = category or (STASH if stash is not None else buffer.category)
+                parts[category] = parts.get(category, 0) + held
+                if group.first_use < index == last:
+                    ending += held
+                elif group.first_use == index < last:
+                    starting += held
+            # an output may take the bytes of an input read for the last time (a layer in place
+            # where the plan has none yet: Gist's codes can free an fp32 stash for it)
+            shared = min(ending, starting)
+            total = plan.persistent_bytes + sum(parts.values()) - shared
+            if total > best[0]:
+                best = (total, step.label, dict(parts, persistent=plan.persistent_bytes, shared=-shared))
+        return best
+
+    def overhead_floor(self, budget):
+        """A lower bound on the predicted overhead (a fraction) of every plan within `budget`
+        bytes, from one step at a time: at a backward step the bytes no choice changes (the
+        persistent ones, the inputs, gradients, workspace) plus, for every stashed top live
+        there, what its option holds at that step (kept, its codes and decoded part, 0 when
+        dropped and rebuilt later) must fit `budget`, and each option adds at least its own
+        time (a recomputation its own chain's replays; a layer's saved tensors count 0 bytes,
+        the interactions nothing). The least time added that meets that at one step, over
+        fractional choices (a linear program), bounds every plan; the largest over the steps is
+        returned (None: no choice fits some step, whatever the time)."""
+        from scipy.optimize import linprog
+        program, plan = self.base.program, self.base.plan
+        stash_groups = [g for g in plan.groups if any(program.buffers[m].category == STASH for m in g.members)]
+        worst = 0.0
+        for index in range(self.first_backward, self.steps):
+            fixed = self.base_live[index] - sum(align(g.nbytes) for g in stash_groups
+                                                if g.first_use <= index <= g.last_use)
+            costs, held, rows = [], [], []
+            for stash in self.stashes.values():
+                if not stash.produced <= index <= stash.last_reader:
+                    continue
+                first = len(costs)
+                for option in stash.options:
+                    costs.append(option.seconds)
+                    held.append(stash.nbytes + sum(n for a, b, n in option.intervals if a <= index <= b))
+                rows.append((first, len(costs)))
+            if not costs:
+                continue
+            equality = np.zeros((len(rows), len(costs)))
+            for row, (first, end) in enumerate(rows):
+                equality[row, first:end] = 1.0
+            result = linprog(costs, A_ub=[np.array(held) / _MIB], b_ub=[(budget - fixed) / _MIB],
+                             A_eq=equality, b_eq=np.ones(len(rows)), bounds=(0, 1), method="highs")
+            if result.status == 2:
+                return None
+            worst = max(worst, result.fun)
+        return worst / self.base_seconds
+
+
+
+def dominated_by(plan):
+    """What fills the plan's peak: the categories, largest first, and the step."""
+    report = footprint_report(plan.compiled.plan)
+    total = sum(report["peak_by_category"].values())
+    parts = sorted(((v, k) for k, v in report["peak_by_category"].items() if v), reverse=True)[:3]
+    listed = ", ".join(f"{k} {v:,} ({100.0 * v / total:.0f}%)" for v, k in parts)
+    return f"its peak (at {report['peak_step_label']}) holds {listed}"
+
+
+def optimize(model, budget=None, batch_size=None, input_size=None, gist="lossless", dpr="fp16", densities=None,
+             update="fused", conv="im2col", cost_model=None, options=None, max_overhead=None):
+    """The plan that fits `budget` bytes at the least predicted step time (None: the smallest
+    plan; `max_overhead`: the smallest plan whose predicted overhead is at most that fraction).
+    `gist`: "lossless" (no precision lost) or "all" (DPR in `dpr` allowed). `options`, when
+    given, carries the settings instead of the keywords. `cost_model`: a costmodel model (None:
+    the FLOP model at the reference rates, costmodel.reference_model). Net(model, plan=...)
+    trains with it."""
+    from .costmodel import reference_model
+    if gist not in ("lossless", "all"):
+        raise MinigistError(f"--gist: the optimizer chooses with lossless or all, not {gist!r}")
+    if options is None:
+        options = Options(batch_size=batch_size, input_size=input_size, dpr=dpr, densities=densities,
+                          update=update, conv=conv)
+    optimizer = Optimizer(model, options, cost_model or reference_model(), lossy=gist == "all")
+    if max_overhead is not None:
+        plan = optimizer.within(max_overhead)
+        if plan is None:
+            raise MinigistError(f"no plan within {max_overhead:.0%} predicted overhead")
+        return plan
+    if budget is None:
+        return optimizer.smallest()
+    return optimizer.fit(budget)

@@ -1,0 +1,193 @@
+"""train.py's --optimize: the plan that fits --memory-budget (printed, written, or trained
+with), or without a budget the frontier of footprint against predicted overhead.
+
+The choosing is minigist/optimize.py's; this module settles the cost model (a plan from
+shapes alone: FLOPs and bytes at the reference rates, or this machine's measured ones with
+--measure-rates; a training run: its steps timed by a short profiling run), prints the
+decisions and draws the frontier.
+"""
+
+from .costmodel import MeasuredModel, flop_model, profile, reference_model
+from .errors import MinigistError
+from .optimize import SMALL_CHUNK_BYTES, Optimizer, dominated_by, lossy_overrides
+from .pipeline import plan_report
+
+FRONTIER_POINTS = 8
+
+
+def check_args(args):
+    """--optimize's own rules, before anything runs."""
+    if args.measure_rates and not (args.optimize and args.plan_only):
+        raise MinigistError("--measure-rates sets the cost model of --optimize --plan-only (a training run "
+                            "times its own steps)")
+    if args.gist not in ("lossless", "all"):
+        raise MinigistError(f"--optimize chooses with --gist lossless (the default) or all, not {args.gist}")
+    if args.alloc != "static":
+        raise MinigistError(f"--optimize plans for --alloc static (the exact plan), not {args.alloc}")
+    if (getattr(args, "ranks", None) or 1) > 1:
+        raise MinigistError("--optimize plans one process's program, not a rank's share of a data-parallel batch")
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def plan_lines(plan):
+    """The footprint, the predicted step time against the unoptimized plan's, the decisions."""
+    budget = "none (the smallest plan)" if plan.budget_bytes is None else f"{plan.budget_bytes:,} B"
+    lines = [f"optimizer: budget {budget}; cost model {plan.cost_model.describe()}",
+             f"footprint: {plan.footprint_bytes:,} B ({_mib(plan.footprint_bytes)}), "
+             f"{plan.ratio:.2f}x less than every stash kept in fp32 ({plan.baseline_footprint_bytes:,} B)",
+             f"predicted step time: {plan.predicted_seconds:.4g} s, {1 + plan.predicted_overhead:.3f}x the "
+             f"unoptimized plan's {plan.baseline_seconds:.4g} s ({100 * plan.predicted_overhead:+.1f}%)",
+             "decisions:"]
+    rows = [("tensor", "layer", "choice", "bytes saved", "time added")]
+    for decision in plan.decisions:
+        rows.append((decision.tensor, decision.layer, decision.choice, f"{decision.bytes_saved:,}",
+                     f"{1e3 * decision.seconds_added:.2f} ms"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) if i < 3 else cell.rjust(w)
+                                      for i, (cell, w) in enumerate(zip(row, widths))))
+    return lines
+
+
+def frontier(optimizer, points=FRONTIER_POINTS):
+    """Plans from no optimization down to the smallest: the budgets spaced evenly (in log)
+    between the unoptimized footprint and the smallest reachable."""
+    smallest = optimizer.smallest()
+    top = optimizer.baseline_footprint
+    plans = []
+    for k in range(points):
+        budget = int(top * (smallest.footprint_bytes / top) ** (k / (points - 1)))
+        plan = smallest if k == points - 1 else optimizer.fit(budget)
+        plans.append((budget if k < points - 1 else None, plan))
+    return plans
+
+
+def frontier_lines(plans):
+    lines = ["frontier (budget against predicted overhead, from no optimization down to the smallest plan):",
+             "  budget            footprint         vs fp32   predicted overhead"]
+    for budget, plan in plans:
+        shown = "smallest" if budget is None else f"{budget:,}"
+        lines.append(f"  {shown:>16}  {plan.footprint_bytes:>16,}  {plan.ratio:6.2f}x  "
+                     f"{100 * plan.predicted_overhead:+8.1f}%")
+    return lines
+
+
+def plot_frontier(plans, path, width=900, height=560):
+    """The frontier as a PNG (Pillow): footprint (MiB) against predicted overhead (%)."""
+    from PIL import Image, ImageDraw
+
+    from .visualize import _font
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    left, right, top, bottom = 90, 30, 40, 70
+    xs = [100 * plan.predicted_overhead for _, plan in plans]
+    ys = [plan.footprint_bytes / 2**20 for _, plan in plans]
+    x_high = max(max(xs), 1.0) * 1.05
+    y_high = max(ys) * 1.05
+
+    def at(x, y):
+        return (left + (width - left - right) * x / x_high, height - bottom - (height - top - bottom) * y / y_high)
+    font = _font(14)
+    draw.line([at(0, 0), at(x_high, 0)], fill="black")
+    draw.line([at(0, 0), at(0, y_high)], fill="black")
+    for k in range(6):
+        x, y = x_high * k / 5, y_high * k / 5
+        draw.text((at(x, 0)[0] - 10, height - bottom + 6), f"{x:.0f}", fill="black", font=font)
+        draw.text((8, at(0, y)[1] - 8), f"{y:,.0f}", fill="black", font=font)
+    points = sorted(at(x, y) for x, y in zip(xs, ys))
+    draw.line(points, fill=(192, 0, 0), width=2)
+    for px, py in points:
+        draw.ellipse([px - 4, py - 4, px + 4, py + 4], fill=(192, 0, 0))
+    draw.text((left, 10), "footprint (MiB) against predicted step-time overhead (%)", fill="black", font=font)
+    draw.text((width // 2 - 90, height - 30), "predicted overhead, %", fill="black", font=font)
+    try:
+        image.save(path)
+    except OSError as exc:
+        raise MinigistError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
+
+
+def plan_only(path, options, args, out=print):
+    """--plan-only --optimize: the plan that fits the budget (or the frontier without one),
+    from the FLOP model (reference rates unless --measure-rates); returns the report (None
+    for the frontier)."""
+    from .memory.report import format_report, write_json
+    cost = flop_model() if args.measure_rates else reference_model()
+    optimizer = Optimizer(path, options, cost, lossy=args.gist == "all")
+    if args.memory_budget is None:
+        plans = frontier(optimizer)
+        for line in frontier_lines(plans):
+            out(line)
+        out(f"cost model: {cost.describe()}; smallest plan: {dominated_by(plans[-1][1])}")
+        if args.plot:
+            plot_frontier(plans, args.plot)
+            out(f"frontier: {args.plot}")
+        return None
+    plan = optimizer.fit(args.memory_budget)
+    report = plan_report(path, plan.options)
+    report["model"] = args.model
+    report["optimizer"] = plan.to_json()
+    out(format_report(report))
+    for line in plan_lines(plan):
+        out(line)
+    if args.report_json:
+        write_json(report, args.report_json)
+    if args.plot or args.trace:
+        from .trainer import write_visuals
+        write_visuals(args, plan.compiled.plan, report, out)
+    return report
+
+
+def profiled_model(model, options, batch, lossy, threads=None, out=print):
+    """The measured cost model of a training run: throwaway nets under the programs the
+    optimizer chooses from (every stash kept; the lossless rules; under lossy modes DPR
+    everywhere it applies, and the three again at SMALL_CHUNK_BYTES), each step timed on
+    `batch`. Falls back to the FLOP model where those nets do not fit this machine."""
+    from .net import Net
+    fallback = flop_model(seconds=0.25)     # for steps not profiled, scaled to the profiled ones
+    base = options.replace(overrides=(), recompute=(), budget=None, chunk_bytes=None)
+    variants = [base.replace(gist="none"), base.replace(gist="lossless")]
+    nets = []
+    try:
+        nets = [Net(model, threads=threads, plan=_Settings(variant)) for variant in variants]
+        if lossy:
+            plain, lossless = nets[0].compiled["train"], nets[1].compiled["train"]
+            dpr = lossy_overrides(plain.graph, plain.program, lossless.program, options.dpr)
+            variants = [variants[0], variants[1], base.replace(gist="lossless", overrides=dpr)]
+            nets.append(Net(model, threads=threads, plan=_Settings(variants[2])))
+            nets += [Net(model, threads=threads, plan=_Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))
+                     for v in variants]
+        seconds = profile(nets, batch, repeats=7)
+    except MinigistError as exc:
+        out(f"cost model: FLOPs and bytes (the profiling run could not run here: {exc})")
+        return fallback
+    measured = MeasuredModel(seconds, fallback, len(nets))
+    measured.calibrate([n.compiled["train"].program for n in nets])
+    return measured
+
+
+class _Settings:
+    """Options in the form Net(plan=...) takes."""
+
+    def __init__(self, options):
+        self.options = options
+
+
+def fit_training_net(net, batch, args, out=print):
+    """--optimize in a training run: after calibration, the plan that fits --memory-budget with
+    the measured cost model, applied to `net` (re-planned; weights kept). Returns the plan."""
+    if args.memory_budget is None:
+        raise MinigistError("--optimize: a training run needs --memory-budget SIZE (without one, --plan-only "
+                            "prints the frontier)")
+    if net.comm is not None:
+        raise MinigistError("--optimize plans one process's program, not a rank's share of a data-parallel batch")
+    cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out)
+    optimizer = Optimizer(net.model, net.options.replace(budget=None), cost, lossy=args.gist == "all")
+    plan = optimizer.fit(args.memory_budget)
+    net.apply_plan(plan)
+    net.optimized = plan
+    for line in plan_lines(plan):
+        out(line)
+    return plan

@@ -1,0 +1,307 @@
+"""The optimizer (minigist/optimize.py): its plans are the exact compiled plans and fit the
+budget; lossless choices of every kind (kept, each encoding, recomputed) train bit for bit like
+--gist none; the same inputs give the same plan; a budget nothing fits is one line naming the
+smallest footprint and what fills it; train.py --optimize prints the decisions and writes the
+optimizer object; the library example runs."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("scipy", reason="the optimizer needs scipy (pip install 'minigist[optimize]')")
+
+import minigist  # noqa: E402
+from minigist.costmodel import REFERENCE_GEMM_FLOPS, FlopModel, profile, step_flops  # noqa: E402
+from minigist.errors import MinigistError  # noqa: E402
+from minigist.memory.report import live_by_step  # noqa: E402
+from minigist.memory.report import footprint_report  # noqa: E402
+from minigist.optimize import RECOMPUTE, SMALL_CHUNK_BYTES, Optimizer, _on_base, _positions  # noqa: E402
+from minigist.optimize_cli import profiled_model  # noqa: E402
+from minigist.pipeline import Options, compile  # noqa: E402
+from test_gist import batches, model  # noqa: E402
+from test_recompute import assert_same_training  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+
+# a fixed cost model: the tests do not depend on this machine's speed
+COST = FlopModel(50e9, 20e9)
+BATCH = 4
+
+
+def densities_of(name, data):
+    """SSDC densities measured on `data`, as training would plan them."""
+    net = minigist.Net(model(name), batch_size=BATCH, seed=1, gist="lossless")
+    net.calibrate(data[:2])
+    return dict(net.options.densities)
+
+
+def train_net(name, data, **kwargs):
+    net = minigist.Net(model(name), batch_size=BATCH, seed=1,
+                       solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4), **kwargs)
+    return net, [net.train_step(*batch) for batch in data]
+
+
+# a small conv net with BatchNorm, a residual sum, a max-pool fused with its ReLU: every kind
+# of choice and interaction, planned in a fraction of a second
+TINY_NET = """
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } shape { dim: 2 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" convolution_param { num_output: 8 bias_term: false pad: 1 kernel_size: 3 weight_filler { type: "msra" } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2" convolution_param { num_output: 8 bias_term: false pad: 1 kernel_size: 3 weight_filler { type: "msra" } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv2" top: "conv2" }
+layer { name: "scale2" type: "Scale" bottom: "conv2" top: "conv2" scale_param { bias_term: true } }
+layer { name: "sum" type: "Eltwise" bottom: "conv1" bottom: "conv2" top: "sum" }
+layer { name: "relu2" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "pool" type: "Pooling" bottom: "sum" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv3" type: "Convolution" bottom: "pool" top: "conv3" convolution_param { num_output: 8 pad: 1 kernel_size: 3 weight_filler { type: "msra" } } }
+layer { name: "relu3" type: "ReLU" bottom: "conv3" top: "conv3" }
+layer { name: "fc" type: "InnerProduct" bottom: "conv3" top: "fc" inner_product_param { num_output: 10 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.prototxt"
+    path.write_text(TINY_NET)
+    return Optimizer(str(path), Options(batch_size=2, update="fused"), COST)
+
+
+def test_a_compiled_choice_is_never_below_the_model_after_learning(tiny):
+    """What the optimizer learns from a compiled choice makes its model at that choice at
+    least the exact plan's bytes at every step, also after learning from other choices: else a
+    choice that missed the budget comes back the next round (a training run missed 40 MiB by
+    33 KB in all five rounds)."""
+    for shift in range(3):
+        choice = round_robin(tiny, shift)
+        plan = tiny._compiled_plan(choice, None)
+        real = _on_base(live_by_step(plan.compiled.plan), _positions(plan.compiled.program, tiny.labels), tiny.steps)
+        tiny._learn(choice, plan)
+        assert np.all(tiny._curve(choice) >= real), shift
+
+
+def test_no_plan_passes_the_floor_and_every_plan_is_exact(tiny):
+    """floor() bounds every plan from below; each plan's footprint is its compiled plan's."""
+    floor = tiny.floor()[0]
+    smallest = tiny.smallest()
+    budget = (smallest.footprint_bytes + tiny.baseline_footprint) // 2
+    plan = tiny.fit(budget)
+    for found in (smallest, plan):
+        compiled = compile(tiny.model, found.options)
+        assert found.footprint_bytes >= floor and found.footprint_bytes >= compiled.plan.footprint_bytes
+    assert plan.footprint_bytes <= budget and plan.options.chunk_bytes is None
+
+
+def test_smaller_chunks_only_under_lossy_modes(tiny, capsys):
+    """Smaller batch chunks shrink the workspace and change a GEMM's rounding: a lossy choice,
+    offered only where DPR is."""
+    assert tiny._chunked_optimizer() is None
+    lossy = Optimizer(tiny.model, tiny.options.replace(batch_size=8), COST, lossy=True)
+    chunked = lossy._chunked_optimizer()
+    assert chunked.options.chunk_bytes == SMALL_CHUNK_BYTES and chunked.baseline_footprint == lossy.baseline_footprint
+    workspace = [footprint_report(compile(model("resnet20"), Options(batch_size=32, chunk_bytes=chunk)).plan)
+                 ["peak_by_category"]["workspace"] for chunk in (None, SMALL_CHUNK_BYTES)]
+    assert workspace[1] < workspace[0] / 4
+    assert train.main(["--model", "resnet20", "--batch-size", "4", "--measure-rates", "--plan-only"]) == 2
+    assert "--measure-rates" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def resnet20():
+    data = batches(3)
+    options = Options(batch_size=BATCH, densities=densities_of("resnet20", data), update="fused")
+    optimizer = Optimizer(model("resnet20"), options, COST)
+    optimizer.smallest_bytes = optimizer.smallest().footprint_bytes
+    return optimizer, data
+
+
+def between(optimizer, fraction):
+    """A budget `fraction` of the way from the smallest plan up to the unoptimized one."""
+    return int(optimizer.smallest_bytes + fraction * (optimizer.baseline_footprint - optimizer.smallest_bytes))
+
+
+@pytest.mark.slow
+def test_the_plan_is_the_compiled_plan_and_fits(resnet20):
+    optimizer, _ = resnet20
+    budget = between(optimizer, 0.3)
+    plan = optimizer.fit(budget)
+    compiled = compile(model("resnet20"), plan.options)
+    evaluation = compile(model("resnet20"), plan.options, "TEST").plan.transient_bytes
+    assert plan.footprint_bytes == compiled.plan.footprint_bytes + max(0, evaluation - compiled.plan.transient_bytes)
+    assert plan.footprint_bytes <= budget
+    assert plan.predicted_seconds == pytest.approx(COST.program_seconds(compiled.program))
+    assert plan.predicted_overhead > 0
+    assert any(d.choice == RECOMPUTE for d in plan.decisions)
+    recomputed = {d.tensor for d in plan.decisions if d.choice == RECOMPUTE}
+    assert recomputed == set(plan.options.recompute)
+    stored = {row["tensor"]: row["stored_bytes"] for row in plan.to_json() and
+              minigist.Net(model("resnet20"), plan=plan).report()["stash"]}
+    for decision in plan.decisions:     # bytes saved: what the exact plan's stash table says
+        aligned = decision.raw_bytes + (-decision.raw_bytes % 256)
+        if decision.choice == "fp32":
+            assert decision.bytes_saved == 0
+        elif decision.choice == RECOMPUTE:
+            assert decision.bytes_saved == aligned and stored[decision.tensor] == 0
+        else:
+            assert decision.bytes_saved == aligned - stored[decision.tensor] > 0
+
+
+@pytest.mark.slow
+def test_a_looser_budget_costs_less_time_and_the_same_inputs_the_same_plan(resnet20):
+    optimizer, _ = resnet20
+    tight = optimizer.fit(between(optimizer, 0.2))
+    loose = optimizer.fit(between(optimizer, 0.8))
+    assert loose.predicted_seconds <= tight.predicted_seconds
+    again = Optimizer(model("resnet20"), optimizer.options, COST).fit(between(optimizer, 0.2))
+    assert (again.options, again.footprint_bytes) == (tight.options, tight.footprint_bytes)
+
+
+@pytest.mark.slow
+def test_nothing_fits_is_one_line_with_the_smallest_footprint(resnet20):
+    optimizer, _ = resnet20
+    with pytest.raises(MinigistError) as error:
+        optimizer.fit(optimizer.baseline_footprint // 20)
+    message = str(error.value)
+    assert "\n" not in message and "smallest footprint reachable" in message and "its peak" in message
+    smallest = optimizer.smallest()
+    assert f"{smallest.footprint_bytes:,}" in message
+
+
+def round_robin(optimizer, shift):
+    """Every option of every stash somewhere: stash i takes option (i + shift) mod its count."""
+    return {tensor: stash.options[(index + shift) % len(stash.options)]
+            for index, (tensor, stash) in enumerate(optimizer.stashes.items())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet20", "vgg_small", "inception_small"])
+def test_every_lossless_choice_trains_bit_identically(name):
+    data = batches(2)
+    options = Options(batch_size=BATCH, densities=densities_of(name, data))
+    optimizer = Optimizer(model(name), options, COST)
+    reference, expected = train_net(name, data)
+    kinds = set()
+    for shift in range(2):
+        choice = round_robin(optimizer, shift)
+        kinds.update(option.name for option in choice.values())
+        chosen = optimizer.options_for(choice)
+        net, losses = train_net(name, data, plan=type("Plan", (), {"options": chosen})())
+        assert_same_training(reference, expected, net, losses)
+    assert {"fp32", RECOMPUTE} <= kinds and len(kinds) >= 3, kinds
+
+
+@pytest.mark.slow
+def test_fp16_is_offered_only_under_gist_all(resnet20):
+    optimizer, _ = resnet20
+    assert not any(o.override == "fp16" for s in optimizer.stashes.values() for o in s.options)
+    lossy = Optimizer(model("resnet20"), optimizer.options, COST, lossy=True)
+    names = {o.name for s in lossy.stashes.values() for o in s.options}
+    assert {"fp16", "ssdc-fp16"} & names
+    budget = between(optimizer, 0.0)
+    plan = lossy.fit(budget)
+    assert plan.footprint_bytes <= budget
+    assert any(d.choice in ("fp16", "ssdc-fp16") for d in plan.decisions)
+
+
+def test_cost_model_counts_convolution_flops():
+    compiled = compile(model("vgg_small"), Options(batch_size=2))
+    conv = next(s for s in compiled.program.steps if s.kind == "forward" and s.layer.name == "conv1_1")
+    n, c, h, w = conv.layer.bottom_shapes[0]
+    out = conv.layer.top_shapes[0]
+    assert step_flops(conv) == 2 * np.prod(out) * c * 3 * 3
+    backward = next(s for s in compiled.program.steps if s.kind == "backward" and s.layer.name == "conv1_1")
+    assert step_flops(backward) == step_flops(conv)     # the first layer: no input gradient, dW only
+
+
+def test_profile_times_every_step():
+    net = minigist.Net(model("resnet20"), batch_size=2)
+    seconds = profile([net], batches(1, 2)[0], repeats=1)
+    assert all(value >= 0 for value in seconds.values())
+    assert any(key[:3] == ("forward", "conv1", "") for key in seconds) and len(seconds) > 50
+
+
+def test_cli_plan_only_prints_decisions_and_writes_the_optimizer_object(tmp_path, capsys):
+    report_path = tmp_path / "r.json"
+    assert train.main(["--model", "resnet20", "--batch-size", "4", "--memory-budget", "9.2MB", "--optimize",
+                       "--plan-only", "--conv", "im2col", "--report-json", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and "decisions:" in out and "recompute" in out
+    assert "tensor" in out and "bytes saved" in out and "time added" in out
+    report = json.loads(report_path.read_text())
+    optimizer = report["optimizer"]
+    assert {"budget_bytes", "footprint_bytes", "predicted_overhead", "cost_model", "decisions"} <= set(optimizer)
+    assert optimizer["footprint_bytes"] == report["footprint_with_evaluation_bytes"] <= 9.2e6
+    assert optimizer["cost_model"].startswith("flops")
+    # the reference rates, not this machine's: the same plan on every machine and run
+    assert optimizer["cost_model_detail"]["rates"] == "reference"
+    assert optimizer["cost_model_detail"]["gemm_flops"] == REFERENCE_GEMM_FLOPS
+    assert 0 < optimizer["predicted_overhead"] < 1
+    assert {"tensor", "layer", "choice", "bytes_saved", "time_added_s"} <= set(optimizer["decisions"][0])
+
+
+@pytest.mark.slow
+def test_cli_budget_nothing_fits_and_bad_modes_are_one_line(capsys):
+    assert train.main(["--model", "resnet20", "--batch-size", "4", "--memory-budget", "100KB", "--optimize",
+                       "--plan-only", "--conv", "im2col"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("train.py: error: --memory-budget: nothing fits")
+    assert train.main(["--model", "resnet20", "--optimize", "--gist", "lossy", "--plan-only"]) == 2
+    assert "--gist lossless" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_frontier_and_its_plot(tmp_path, capsys):
+    picture = tmp_path / "frontier.png"
+    assert train.main(["--model", "resnet20", "--batch-size", "4", "--optimize", "--plan-only", "--conv", "im2col",
+                       "--plot", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert "frontier" in out and "smallest" in out
+    assert picture.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_library_example():
+    plan = minigist.optimize("models/resnet20.prototxt" if os.path.exists("models") else model("resnet20"),
+                             9_200_000, batch_size=BATCH, cost_model=COST)
+    net = minigist.Net(model("resnet20"), plan=plan)
+    assert net.report()["footprint_bytes"] <= plan.footprint_bytes <= 9_200_000
+    assert net.report()["optimizer"]["footprint_bytes"] == plan.footprint_bytes
+    loss = net.train_step(*batches(1)[0])
+    assert np.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_a_budget_only_smaller_chunks_reach_trains_with_them(resnet20):
+    optimizer, data = resnet20
+    lossy = Optimizer(model("resnet20"), optimizer.options, COST, lossy=True)
+    own, chunked = lossy._smallest(), lossy._chunked_optimizer()._smallest()
+    assert chunked.footprint_bytes < 0.8 * own.footprint_bytes     # im2col's columns were most of the workspace
+    plan = lossy.fit(chunked.footprint_bytes)
+    assert plan.options.chunk_bytes == SMALL_CHUNK_BYTES and plan.footprint_bytes <= chunked.footprint_bytes
+    assert plan.baseline_footprint_bytes == lossy.baseline_footprint
+    net = minigist.Net(model("resnet20"), plan=plan)
+    assert net.report()["footprint_with_evaluation_bytes"] == plan.footprint_bytes
+    assert all(np.isfinite(net.train_step(*batch)) for batch in data[:2])
+    net = minigist.Net(model("resnet20"), batch_size=BATCH, update="fused")     # applied to a net built without it
+    net.apply_plan(plan)
+    assert net.report()["footprint_with_evaluation_bytes"] == plan.footprint_bytes
+
+
+def test_the_measured_cost_model_times_every_program_it_chooses_from(tiny):
+    """Under --gist all: every stash kept, the lossless rules, DPR wherever it applies (not on a
+    pool's argmax, which an override by the pool's name would reach), each at the layers' own
+    chunks and at the small ones."""
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((2, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 2))
+    measured = profiled_model(tiny.model, tiny.options, batch, lossy=True, threads=1)
+    assert measured.kind == "measured" and measured.programs_profiled == 6
+    kinds = {key[0] for key in measured.seconds}
+    assert {"forward", "backward", "encode", "decode"} <= kinds
+    chunks = {key[3] for key in measured.seconds if len(key) == 4}
+    assert SMALL_CHUNK_BYTES in chunks and len(chunks) > 1
