@@ -72,7 +72,7 @@ def main():
     parser.add_argument("--gemm", type=float, help="GEMM rate, FLOP/s")
     parser.add_argument("--bandwidth", type=float, help="memory bandwidth, bytes/s")
     parser.add_argument("--models", nargs="*", default=PAPER + EXTRA)
-    parser.add_argument("--columns", nargs="*", default=COLUMNS, help=f"a part of {', '.join(COLUMNS)}")
+    parser.add_argument("--columns", nargs="*", default=COLUMNS, help="a part of " + ", ".join(COLUMNS).replace("%", "%%"))
     args = parser.parse_args()
     cost = reference_model()
     if args.measure:
