@@ -13,8 +13,8 @@ the tensors to recompute), compiled by the one pipeline (minigist.pipeline.compi
 plan reported is that compiled plan, never an estimate.
 
 How it decides. The model is an integer one on the steps of the unoptimized program (every
-stash kept): the bytes live at each step (the static planner reaches that lower bound on every
-bundled model), and, per stashed tensor and choice, the intervals of bytes the choice takes
+stash kept): the bytes live at each step (the static planner reaches that lower bound on the
+bundled models' unoptimized plans; where it packs a choice above it, the model cannot see it), and, per stashed tensor and choice, the intervals of bytes the choice takes
 away or adds, read off real compiled programs (one with Gist's lossless rules applied
 everywhere, one with the lossy encoding everywhere) mapped back onto those steps, with the
 in-place steps and workspace a code frees credited to it; a recomputation's rebuilt copy, the
