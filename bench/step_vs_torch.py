@@ -69,6 +69,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import isa  # noqa: E402
+import load  # noqa: E402
 import minigist  # noqa: E402
 from minigist import blas, onednn  # noqa: E402
 from minigist.codecs import kernels  # noqa: E402
@@ -400,31 +401,6 @@ def torch_gemm_rates(reps=15, n=1024):
     return _timed_rates(lambda: torch.mm(a, b, out=c), reps, n)
 
 
-def cpu_sample():
-    """(wall s, busy CPU s of the whole machine, steal s, this process's CPU s), or None
-    where /proc/stat is missing (not Linux)."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
-    tick = os.sysconf("SC_CLK_TCK")
-    own = os.times()
-    return time.monotonic(), (user + nice + system + irq + softirq) / tick, steal / tick, own.user + own.system
-
-
-def other_load(before, after):
-    """The share of the machine's CPU time that other processes (and the hypervisor's steal)
-    took between two cpu_sample()s: how disturbed the timings between them are."""
-    if before is None or after is None or after[0] <= before[0]:
-        return "?"
-    capacity = (after[0] - before[0]) * (os.cpu_count() or 1)
-    others = max(0.0, (after[1] - before[1]) - (after[3] - before[3]))
-    steal = after[2] - before[2]
-    return f"{100 * min(1.0, (others + steal) / capacity):.0f}%"
-
-
 def spread(times):
     return statistics.median(times), min(times), max(times)
 
@@ -469,7 +445,7 @@ def compare(args, name, path):
     for step in range(args.warmup):
         for label, run in sides.items():
             losses[label].append(run(step))
-    meter = cpu_sample()
+    meter = load.sample()
     while len(times["torch"]) < args.repeats:
         for label, run in sides.items():
             time.sleep(args.settle)
@@ -482,7 +458,7 @@ def compare(args, name, path):
                 elapsed = time.perf_counter() - start
                 if index and len(times[label]) < args.repeats:
                     times[label].append(elapsed)
-    others = other_load(meter, cpu_sample())
+    others = load.others_share(meter, load.sample())
     flops = step_flops(graph)
     results = []
     for engine, net in nets.items():
@@ -547,7 +523,7 @@ def gist_ratios(args, path, batches, engine):
             net.train_step(*batches[step % 2])
         nets[label] = net
     times = {label: [] for label in nets}
-    meter = cpu_sample()
+    meter = load.sample()
     for repeat in range(args.repeats):
         for label, net in nets.items():
             with kernels.use_codec_kernels(kernel_flags[label]):
@@ -555,7 +531,7 @@ def gist_ratios(args, path, batches, engine):
                 net.train_step(*batches[repeat % 2])
                 times[label].append(time.perf_counter() - start)
     fallbacks = {label: net.stats.fallbacks for label, net in nets.items()}
-    return times, fallbacks, other_load(meter, cpu_sample())
+    return times, fallbacks, load.others_share(meter, load.sample())
 
 
 def bench_threads(args, engine):
@@ -617,7 +593,7 @@ def main():
         if not os.path.exists(paths[name]):
             parser.error(f"--models: no model file {paths[name]}")
 
-    gemm, tgemm, load = gemm_rates(), torch_gemm_rates(), os.getloadavg()[0]
+    gemm, tgemm, load_average = gemm_rates(), torch_gemm_rates(), os.getloadavg()[0]
     print("command: python bench/step_vs_torch.py " + " ".join(sys.argv[1:]))
     print(f"machine: {os.cpu_count()} CPUs; numpy {np.__version__}, BLAS: {blas.describe()}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; instruction set: {isa.describe()}")
@@ -648,7 +624,7 @@ def main():
     print(f"numpy float32 GEMM (1024^3 matmul): {rate:.1f} GFLOP/s median "
           f"[{min(gemm):.1f}-{max(gemm):.1f}] over {len(gemm)} runs, start and end; "
           f"torch.mm for reference: {statistics.median(tgemm):.1f} [{min(tgemm):.1f}-{max(tgemm):.1f}]")
-    print(f"1-minute load average before the run: {load:.2f} (on {os.cpu_count()} CPUs); 'others': the share "
+    print(f"1-minute load average before the run: {load_average:.2f} (on {os.cpu_count()} CPUs); 'others': the share "
           f"of the machine's CPU time that other processes (and steal) took while the rows were timed")
     print()
     print("| model | conv | minigist s/step | torch s/step | minigist/torch: medians (pairs min-max) | minima "

@@ -25,32 +25,11 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 
+import load
+
 SUBSETS = {"full": [], "quick": ["-m", "not slow"]}
 CACHES = ("cold", "warm")
 ISAS = ("native", "avx2")
-
-
-def machine_sample():
-    """(monotonic s, busy CPU s of the whole machine, steal s, CPU s of this process's finished
-    children and theirs), or None without /proc/stat."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
-    tick = os.sysconf("SC_CLK_TCK")
-    times = os.times()
-    return (time.monotonic(), (user + nice + system + irq + softirq) / tick, steal / tick,
-            times.children_user + times.children_system)
-
-
-def others_share(before, after):
-    if before is None or after is None:
-        return "?"
-    capacity = (after[0] - before[0]) * (os.cpu_count() or 1)
-    others = max(0.0, (after[1] - before[1]) - (after[3] - before[3])) + (after[2] - before[2])
-    return f"{100 * min(1.0, others / capacity):.0f}%"
 
 
 def isa_environment(isa):
@@ -66,13 +45,13 @@ def run_suite(checkout, subset, isa, cache_dir, junit):
     env = dict(os.environ, **isa_environment(isa), NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=path)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                *SUBSETS[subset]]
-    before = machine_sample()
+    before = load.sample(children=True)
     result = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
-    after = machine_sample()
+    after = load.sample(children=True)
     lines = result.stdout.strip().splitlines()
     return {"wall": after[0] - before[0] if before and after else float("nan"),
             "cpu": after[3] - before[3] if before and after else float("nan"),
-            "others": others_share(before, after), "last": lines[-1] if lines else "", "status": result.returncode,
+            "others": load.others_share(before, after), "last": lines[-1] if lines else "", "status": result.returncode,
             "files": seconds_by_file(junit)}
 
 
