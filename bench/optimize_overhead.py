@@ -10,9 +10,9 @@ fp16 DPR and smaller batch chunks too): the footprint of `--gist none`, then bud
 and 4x smaller. For each budget the optimizer chooses with the measured cost model (a
 profiling run of this machine's steps, minigist/optimize_cli.profiled_model); where nothing
 fits, the smallest plan it reaches is measured instead, and the row says so, with the bound no
-plan can pass (Optimizer.floor). The chosen plan trains, and its median step time is measured
-side by side with the `none` plan's (the two alternate, one step each, so that a machine's
-drift hits both alike). One table: the footprint reached, the predicted overhead, the
+plan can pass (Optimizer.floor). The chosen plan trains, and its step time is measured side by
+side with the `none` plan's: the two alternate, one step each, and the measured overhead is
+the median of the pairs' ratios, so that a machine's drift hits both alike. One table: the footprint reached, the predicted overhead, the
 measured one and their difference. SSDC's densities are calibrated on the same random batches
 the steps run on (ReLU maps about half zeros).
 """
@@ -46,17 +46,22 @@ def batches(count, seed=0):
 
 
 def side_by_side(nets, data, repeats):
-    """Median seconds of one training step of each net, the nets alternating step by step."""
-    times = [[] for _ in nets]
+    """The overhead of nets[1]'s training step over nets[0]'s: the median, over `repeats`
+    pairs, of one step of each run back to back. A pair's ratio cancels the machine's drift,
+    which on a shared machine moves a step's time by 10% between seconds; a ratio of two
+    medians would keep it."""
     for net in nets:       # a warm-up step each
         net.train_step(*data[0])
+    ratios = []
     for index in range(repeats):
         batch = data[index % len(data)]
-        for k, net in enumerate(nets):
+        times = []
+        for net in nets:
             tick = time.perf_counter()
             net.train_step(*batch)
-            times[k].append(time.perf_counter() - tick)
-    return [float(np.median(t)) for t in times]
+            times.append(time.perf_counter() - tick)
+        ratios.append(times[1] / times[0])
+    return float(np.median(ratios)) - 1.0
 
 
 def plans(optimizer, budgets=()):
@@ -81,7 +86,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=MODELS)
     parser.add_argument("--modes", nargs="*", default=MODES, choices=MODES)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--budgets", nargs="*", type=byte_size, default=(),
                         help="budgets (e.g. 40MiB) instead of 2x, 3x and 4x below none")
     args = parser.parse_args()
@@ -102,8 +107,7 @@ def main():
                 optimizer = Optimizer(path, options, cost, lossy=lossy)
                 for label, budget, plan, note in plans(optimizer, args.budgets):
                     net = minigist.Net(path, plan=plan, threads=1)
-                    plain, chosen = side_by_side([none, net], data, args.repeats)
-                    measured = chosen / plain - 1
+                    measured = side_by_side([none, net], data, args.repeats)
                     shown = label + (f": {note}" if note else "")
                     print(f"| {name} | {mode} | {shown} | {plan.footprint_bytes / 2**20:.1f} ({plan.ratio:.2f}x) | "
                           f"{100 * plan.predicted_overhead:+.1f}% | {100 * measured:+.1f}% | "

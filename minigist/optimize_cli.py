@@ -13,6 +13,10 @@ from .optimize import SMALL_CHUNK_BYTES, Optimizer, dominated_by, lossy_override
 from .pipeline import plan_report
 
 FRONTIER_POINTS = 8
+# timed iterations of each profiled program: on a shared 2-core machine a program's time moves
+# by 10% from one iteration to the next, and with 7 the predicted overhead of one fixed plan
+# (resnet20, 3x less memory) moved by 7 points from one profiling run to the next; with 15, by 2
+PROFILE_REPEATS = 15
 
 
 def check_args(args):
@@ -52,9 +56,11 @@ def plan_lines(plan):
     return lines
 
 
-def frontier(optimizer, points=FRONTIER_POINTS):
+def frontier(optimizer, points=FRONTIER_POINTS, each=None):
     """Plans from no optimization down to the smallest: the budgets spaced evenly (in log)
-    between the unoptimized footprint and the smallest reachable."""
+    between the unoptimized footprint and the smallest reachable. `each(budget, plan)` is
+    called as each row is found, in the rows' order (the smallest plan is searched first, but
+    is the last row): the large nets take minutes, and the rows come one by one."""
     smallest = optimizer.smallest()
     top = optimizer.baseline_footprint
     plans = []
@@ -62,17 +68,19 @@ def frontier(optimizer, points=FRONTIER_POINTS):
         budget = int(top * (smallest.footprint_bytes / top) ** (k / (points - 1)))
         plan = smallest if k == points - 1 else optimizer.fit(budget)
         plans.append((budget if k < points - 1 else None, plan))
+        if each is not None:
+            each(*plans[-1])
     return plans
 
 
-def frontier_lines(plans):
-    lines = ["frontier (budget against predicted overhead, from no optimization down to the smallest plan):",
-             "  budget            footprint         vs fp32   predicted overhead"]
-    for budget, plan in plans:
-        shown = "smallest" if budget is None else f"{budget:,}"
-        lines.append(f"  {shown:>16}  {plan.footprint_bytes:>16,}  {plan.ratio:6.2f}x  "
-                     f"{100 * plan.predicted_overhead:+8.1f}%")
-    return lines
+FRONTIER_HEADER = ["frontier (budget against predicted overhead, from no optimization down to the smallest plan):",
+                   "  budget            footprint         vs fp32   predicted overhead"]
+
+
+def frontier_row(budget, plan):
+    shown = "smallest" if budget is None else f"{budget:,}"
+    return (f"  {shown:>16}  {plan.footprint_bytes:>16,}  {plan.ratio:6.2f}x  "
+            f"{100 * plan.predicted_overhead:+8.1f}%")
 
 
 def plot_frontier(plans, path, width=900, height=560):
@@ -117,9 +125,9 @@ def plan_only(path, options, args, out=print):
     cost = flop_model() if args.measure_rates else reference_model()
     optimizer = Optimizer(path, options, cost, lossy=args.gist == "all")
     if args.memory_budget is None:
-        plans = frontier(optimizer)
-        for line in frontier_lines(plans):
+        for line in FRONTIER_HEADER:
             out(line)
+        plans = frontier(optimizer, each=lambda budget, plan: out(frontier_row(budget, plan)))
         out(f"cost model: {cost.describe()}; smallest plan: {dominated_by(plans[-1][1])}")
         if args.plot:
             plot_frontier(plans, args.plot)
@@ -159,7 +167,7 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
             nets.append(Net(model, threads=threads, plan=_Settings(variants[2])))
             nets += [Net(model, threads=threads, plan=_Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))
                      for v in variants]
-        seconds = profile(nets, batch, repeats=7)
+        seconds = profile(nets, batch, repeats=PROFILE_REPEATS)
     except MinigistError as exc:
         out(f"cost model: FLOPs and bytes (the profiling run could not run here: {exc})")
         return fallback

@@ -18,7 +18,7 @@ from minigist.errors import MinigistError  # noqa: E402
 from minigist.memory.report import live_by_step  # noqa: E402
 from minigist.memory.report import footprint_report  # noqa: E402
 from minigist.optimize import RECOMPUTE, SMALL_CHUNK_BYTES, Optimizer, _on_base, _positions  # noqa: E402
-from minigist.optimize_cli import profiled_model  # noqa: E402
+from minigist.optimize_cli import FRONTIER_POINTS, frontier, profiled_model  # noqa: E402
 from minigist.pipeline import Options, compile  # noqa: E402
 from test_gist import batches, model  # noqa: E402
 from test_recompute import assert_same_training  # noqa: E402
@@ -263,6 +263,18 @@ def test_cli_frontier_and_its_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "frontier" in out and "smallest" in out
     assert picture.stat().st_size > 1000
+    # the rows, from no optimization down to the smallest, each printed as soon as it is found
+    rows = [line.split() for line in out.splitlines() if line.endswith("%") and "x " in line]
+    assert len(rows) == FRONTIER_POINTS and rows[-1][0] == "smallest"
+    footprints = [int(row[1].replace(",", "")) for row in rows]
+    assert footprints == sorted(footprints, reverse=True)
+
+
+def test_frontier_reports_each_row_as_it_is_found():
+    optimizer = Optimizer(model("resnet20"), Options(batch_size=BATCH, conv="im2col"), COST)
+    seen = []
+    plans = frontier(optimizer, points=3, each=lambda budget, plan: seen.append((budget, plan)))
+    assert seen == plans and seen[-1][0] is None and len(seen) == 3
 
 
 @pytest.mark.slow
