@@ -62,7 +62,7 @@ from minigist.cli_args import (Parser, byte_size, config_checker, explicit_flags
                                positive_int)
 from minigist.codecs import DPR_FORMATS, GIST_MODES  # noqa: E402
 from minigist.comm import DEFAULT_TIMEOUT, RankTimeoutError  # noqa: E402
-from minigist.errors import MemoryBudgetError, MinigistError  # noqa: E402
+from minigist.errors import MachineMemoryError, MemoryBudgetError, MinigistError  # noqa: E402
 from minigist.memory.plan import MODES  # noqa: E402
 from minigist.net import MAX_DEFAULT_THREADS  # noqa: E402
 from minigist.passes.reduce import DEFAULT_BUCKET_BYTES, SHARDS  # noqa: E402
@@ -323,6 +323,8 @@ def main(argv=None):
     try:
         trainer.run()
         return 0
+    except MachineMemoryError as exc:     # names the flags that change it; no budget is involved
+        return _error(trainer, str(exc))
     except MemoryBudgetError as exc:
         return _error(trainer, f"--memory-budget: {exc}")
     except RankTimeoutError as exc:

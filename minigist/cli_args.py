@@ -61,7 +61,9 @@ def byte_size(text):
         raise argparse.ArgumentTypeError(f"{text!r} is too large to be a size")
     if value < 1:
         raise argparse.ArgumentTypeError(f"a memory budget must be positive (at least 1 byte), got {text!r}")
-    return int(value)
+    if not match.group(2) and value != int(value):
+        raise argparse.ArgumentTypeError(f"a size without a unit counts bytes, a whole number of them; got {text!r}")
+    return int(value)     # with a unit, what rounds to a fraction of a byte is rounded down
 
 
 def join_negative_sizes(argv):

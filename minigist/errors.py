@@ -22,3 +22,8 @@ class LayerSetupError(MinigistError):
 
 class MemoryBudgetError(MinigistError):
     """A memory plan or a pool request does not fit the budget."""
+
+
+class MachineMemoryError(MemoryBudgetError):
+    """A plan needs more memory than this machine has available (no budget was passed: the
+    message names the flags that change it)."""

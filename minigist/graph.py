@@ -4,6 +4,7 @@ Blobs are in SSA form: a layer written the Caffe way with top == bottom (in plac
 new version of the blob (`conv1@relu1`), so every blob version has exactly one producer and
 later passes decide whether two versions may share memory.
 """
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,6 +179,19 @@ def _field_lines(spec, name):
     return lines if lines else [spec.line] * len(getattr(spec, name + "s"))
 
 
+# the model files train.py knows by name (`--model resnet20`); the library takes the names too
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+
+
+def bundled_path(name):
+    """The bundled model file a bare name (no folder, no suffix) stands for, when `name` is no
+    file itself and models/ has NAME.prototxt; else None."""
+    if not isinstance(name, str) or os.path.sep in name or "." in name or os.path.exists(name):
+        return None
+    path = os.path.join(MODELS_DIR, name + ".prototxt")
+    return path if os.path.isfile(path) else None
+
+
 def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=np.float32,
                 path=None, add_loss=False, input_channels=None, conv=None):
     """Build the Graph of a model file (a path) or of prototxt text (`path` then names it).
@@ -193,6 +207,8 @@ def build_graph(source, phase="TRAIN", batch_size=None, input_size=None, dtype=n
     if isinstance(input_size, int):
         input_size = (input_size, input_size)
     nodes, blobs, current, loss_weights = [], {}, {}, {}
+    if path is None:
+        source = bundled_path(source) or source
     if onnx_import.is_onnx(source, path):     # the ONNX front end: specs made as the graph grows
         path = str(path if path is not None else source)
         front = onnx_import.OnnxFront(path, phase, batch_size, input_size, lambda name: blobs[current[name]].shape)

@@ -46,7 +46,7 @@ def describe(xp=np):
             f"convolution's layout copies")
 
 
-COMPILE_NOTICE = "compiling minigist's numba kernels (first run only: numba caches them for later runs) ..."
+COMPILE_NOTICE = "compiling minigist's numba kernels (once each, the first time a run needs them: numba caches them) ..."
 _announcing = []
 
 

@@ -547,7 +547,7 @@ def summary(graph):
     lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    lines.append(f"parameters: {graph.param_count()}")
+    lines.append(f"parameters: {graph.param_count():,}")
     if graph.added_loss:
         lines.append(f"added loss: {graph.added_loss}")
     elif not graph.loss_weights:

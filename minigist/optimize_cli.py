@@ -7,6 +7,8 @@ shapes alone: FLOPs and bytes at the reference rates, or this machine's measured
 decisions and draws the frontier.
 """
 
+import math
+
 from .costmodel import MeasuredModel, flop_model, profile, reference_model
 from .errors import MinigistError
 from .optimize import SMALL_CHUNK_BYTES, Optimizer, dominated_by, lossy_overrides
@@ -83,6 +85,16 @@ def frontier_row(budget, plan):
             f"{100 * plan.predicted_overhead:+8.1f}%")
 
 
+def _tick_step(high, most=6):
+    """A round tick step (1, 2 or 5 times a power of ten) that marks 0..high in at most `most`
+    intervals."""
+    step = 10.0 ** math.floor(math.log10(high / most)) if high > 0 else 1.0
+    for factor in (1, 2, 5, 10):
+        if high / (step * factor) <= most:
+            return step * factor
+    return step * 10
+
+
 def plot_frontier(plans, path, width=900, height=560):
     """The frontier as a PNG (Pillow): footprint (MiB) against predicted overhead (%)."""
     from PIL import Image, ImageDraw
@@ -93,18 +105,21 @@ def plot_frontier(plans, path, width=900, height=560):
     left, right, top, bottom = 90, 30, 40, 70
     xs = [100 * plan.predicted_overhead for _, plan in plans]
     ys = [plan.footprint_bytes / 2**20 for _, plan in plans]
-    x_high = max(max(xs), 1.0) * 1.05
-    y_high = max(ys) * 1.05
+    x_step, y_step = _tick_step(max(max(xs), 1.0)), _tick_step(max(ys))
+    x_high = x_step * math.ceil(max(max(xs), 1.0) * 1.02 / x_step)
+    y_high = y_step * math.ceil(max(ys) * 1.02 / y_step)
 
     def at(x, y):
         return (left + (width - left - right) * x / x_high, height - bottom - (height - top - bottom) * y / y_high)
     font = _font(14)
     draw.line([at(0, 0), at(x_high, 0)], fill="black")
     draw.line([at(0, 0), at(0, y_high)], fill="black")
-    for k in range(6):
-        x, y = x_high * k / 5, y_high * k / 5
-        draw.text((at(x, 0)[0] - 10, height - bottom + 6), f"{x:.0f}", fill="black", font=font)
-        draw.text((8, at(0, y)[1] - 8), f"{y:,.0f}", fill="black", font=font)
+    for k in range(round(x_high / x_step) + 1):
+        x = k * x_step
+        draw.text((at(x, 0)[0] - 10, height - bottom + 6), f"{x:g}", fill="black", font=font)
+    for k in range(round(y_high / y_step) + 1):
+        y = k * y_step
+        draw.text((8, at(0, y)[1] - 8), f"{y:,g}", fill="black", font=font)
     points = sorted(at(x, y) for x, y in zip(xs, ys))
     draw.line(points, fill=(192, 0, 0), width=2)
     for px, py in points:

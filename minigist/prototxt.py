@@ -18,6 +18,7 @@ _TOKEN = re.compile(r"""
   | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
   | (?P<punct>[{}<>:;,\[\]])
 """, re.VERBOSE)
+_WORD_TAIL = re.compile(r"[A-Za-z0-9_.]*")
 
 
 # deeper nesting than this is an error, not a RecursionError: Caffe's own model files nest a few
@@ -72,6 +73,10 @@ def _tokenize(text, path):
             raise ModelFileError(path, line, f"unexpected character {text[pos]!r}")
         kind = match.lastgroup
         value = match.group(kind)
+        if kind == "number":    # "3x" is one malformed number, not 3 and a field named x
+            word = _WORD_TAIL.match(text, match.end()).group(0)
+            if word:
+                raise ModelFileError(path, line, f"malformed number {value + word!r}")
         if kind == "nl":
             line += 1
         elif kind not in ("ws", "comment"):

@@ -29,7 +29,7 @@ from .codecs import kernels as codec_kernels
 from .comm import DEFAULT_TIMEOUT, RankTimeoutError
 from .densities import MARGIN, planned, read_densities
 from .errors import MemoryBudgetError, MinigistError
-from .graph import build_graph
+from .graph import MODELS_DIR, build_graph
 from .memory.available import check_fits
 from .memory.report import format_report, write_json
 from .net import Net, default_threads, summary
@@ -37,7 +37,6 @@ from .passes.reduce import DEFAULT_BUCKET_BYTES
 from .pipeline import Options, compile, per_rank, plan_report, resolve_conv, split_batch
 
 # the bundled model files sit next to train.py, at the top of a checkout
-MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 DENSITIES_DIR = os.path.join(MODELS_DIR, "densities")
 DEFAULT_MODEL = "resnet20"
 DEFAULT_DATA = "mnist5k"
@@ -116,6 +115,8 @@ def bundled_models():
 
 def resolve_model(name):
     """A bundled model name or a path to a .prototxt or .onnx file."""
+    if os.path.isdir(name):
+        raise MinigistError(f"--model: {name} is a folder; give a model file (.prototxt or .onnx) or a bundled name")
     if os.path.sep in name or name.endswith((".prototxt", ".onnx")):
         if not os.path.isfile(name):
             raise MinigistError(f"--model: file not found: {name}")
@@ -324,15 +325,18 @@ def check_output_paths(args):
             raise MinigistError(f"{flag}: cannot write {path}: permission denied")
 
 
-def check_fits_machine(graph, model):
+def check_fits_machine(graph, model, budget=None):
     """Before the data and the arena: the training plan needs at least every parameter and the
-    largest blob (float32); refuse in one line if even that is more than this machine has."""
+    largest blob (float32); refuse in one line if even that is more than `budget` (the
+    --memory-budget, when given) or than this machine has."""
     params = sum(math.prod(int(d) for d in p.shape) for layer in graph.layers for p in layer.params)
     largest = max((math.prod(int(d) for d in blob.shape) for blob in graph.blobs.values()), default=0)
-    itemsize = np.dtype(np.float32).itemsize
-    check_fits((params + largest) * itemsize,
-               f"--model {model} at batch {graph.batch_size}, input {'x'.join(map(str, graph.input_shape))}: "
-               f"training (its parameters and its largest feature map alone)", at_least=True)
+    needed = (params + largest) * np.dtype(np.float32).itemsize
+    what = (f"--model {model} at batch {graph.batch_size}, input {'x'.join(map(str, graph.input_shape))}: "
+            f"training (its parameters and its largest feature map alone)")
+    if budget is not None and needed > budget:
+        raise MemoryBudgetError(f"{what} needs at least {needed:,} bytes, the budget allows {budget:,} bytes")
+    check_fits(needed, what, at_least=True)
 
 
 def evaluate(net, data, split, batch_size, names, limit=None):
@@ -669,7 +673,7 @@ class Trainer:
             if args.input_size is None:
                 raise
             raise MinigistError(f"--input-size {args.input_size}: {args.model} cannot take it: {exc}") from None
-        check_fits_machine(graph, args.model)
+        check_fits_machine(graph, args.model, args.memory_budget)
         model_now = model_definition(path)
         if resumed is not None:
             change = model_change(resumed[0]["model"], model_now)

@@ -156,8 +156,13 @@ def test_sizes_beyond_memory_are_one_line_before_anything_is_allocated(tiny):
     line = one_line_error(run_cli("--model", tiny, "--data", "synthetic", "--input-size", 100000, "--iters", 1),
                           "needs at least", "bytes", "available")
     assert "input 3x100000x100000" in line and "iB)" in line
-    one_line_error(run_cli("--model", tiny, "--data", "synthetic", "--batch-size", 100000000, "--iters", 1),
-                   "batch 100000000", "bytes")
+    line = one_line_error(run_cli("--model", tiny, "--data", "synthetic", "--batch-size", 100000000, "--iters", 1),
+                          "batch 100000000", "bytes", "--batch-size")
+    assert "--memory-budget" not in line      # no budget was given: the machine is the limit
+    # with a budget, the budget is what the run is refused against
+    line = one_line_error(run_cli("--model", tiny, "--data", "synthetic", "--batch-size", 100000000, "--iters", 1,
+                                  "--memory-budget", "1MB"), "batch 100000000", "the budget allows 1,000,000 bytes")
+    assert line.startswith("train.py: error: --memory-budget:")
     # the plan itself still works: shapes only, nothing allocated
     plan = run_cli("--model", tiny, "--batch-size", 100000000, "--plan-only")
     assert plan.returncode == 0, plan.stderr
@@ -201,6 +206,7 @@ def test_integer_fields_are_bounded_as_in_caffe_proto(tmp_path):
     (["--memory-budget=-5GB"], "must be positive"),
     (["--memory-budget", "-5GB"], "must be positive"),
     (["--memory-budget", "0"], "must be positive"),
+    (["--memory-budget", "1.5"], "a whole number"),
     (["--memory-budget", "1e999"], "too large"),
     (["--memory-budget", "1e999GiB"], "too large"),
 ])
@@ -234,6 +240,16 @@ def test_output_paths_are_checked_before_training(flag, tiny, tmp_path):
 def test_plan_only_output_paths_too(tmp_path):
     one_line_error(run_cli("--plan-only", "--model", "vgg_small", "--report-json", tmp_path / "none" / "r.json"),
                    "--report-json", "does not exist")
+
+
+def test_a_folder_or_a_malformed_number_for_a_model_is_one_line(tmp_path):
+    one_line_error(run_cli("--model", tmp_path, "--plan-only"), "--model", "is a folder")
+    with pytest.raises(ModelFileError, match="malformed number '3x'") as caught:
+        prototxt.parse('name: "n"\nlayer { name: "c" type: "Convolution"\n convolution_param { kernel_size: 3x } }')
+    assert caught.value.line == 3
+    with pytest.raises(ModelFileError, match="malformed number '0x10'"):
+        prototxt.parse("a: 0x10")
+    assert prototxt.parse('input_dim: 1 input_dim: 3').all("input_dim") == [1, 3]
 
 
 # ---- 5. nesting ------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_lenet_data_layer_takes_mnist5ks_one_channel():
     assert shapes["ip1"] == (64, 500) and shapes["ip2"] == (64, 10)
     result = run_cli("--model", LENET, "--input-size", 28, "--data", "mnist5k", "--summary")
     assert result.returncode == 0, result.stderr
-    assert "parameters: 431080" in result.stdout
+    assert "parameters: 431,080" in result.stdout
     assert "input channels: 1, those of --data mnist5k" in result.stdout
 
 
@@ -85,7 +85,7 @@ def test_data_layer_without_data_assumes_three_and_says_so():
     assert "input channels: 3 assumed" in result.stdout and "no --data given" in result.stdout
     assert "input (3, 28, 28)" in result.stdout
     given = run_cli("--model", LENET, "--input-size", 28, "--input-channels", 1, "--summary")
-    assert "parameters: 431080" in given.stdout
+    assert "parameters: 431,080" in given.stdout
 
 
 def test_the_files_stated_channels_win(tmp_path):

@@ -169,7 +169,7 @@ def test_input_shape_is_checked(branchy):
 def test_summary_lists_layers_and_parameter_count(branchy):
     net = minigist.Net(branchy)
     text = net.summary()
-    assert text.splitlines()[-1] == f"parameters: {net.train_graph.param_count()}"
+    assert text.splitlines()[-1] == f"parameters: {net.train_graph.param_count():,}"
     expected = (36 * 7 + 7) + (7 + 7) + (36 * 7 + 7) + (14 * 3 + 3) + (7 * 3 + 3)
     assert net.train_graph.param_count() == expected
     assert "fc_a" in text and "InnerProduct" in text and "6x7" in text
@@ -291,3 +291,16 @@ def test_force_backward_input_gradient_through_branches_batchnorm_and_two_losses
         bumped[index] -= 2 * eps
         minus = net.forward_backward(bumped, label)
         assert analytic[index] == pytest.approx((plus - minus) / (2 * eps), rel=1e-5, abs=1e-8), index
+
+
+def test_bundled_models_by_name_as_on_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)     # not the repository: the name is looked up in minigist's models/
+    by_name = minigist.Net("vgg_small", batch_size=2, gist="lossless")
+    path = os.path.join(os.path.dirname(minigist.__file__), "..", "models", "vgg_small.prototxt")
+    by_path = minigist.Net(path, batch_size=2, gist="lossless")
+    assert by_name.report()["footprint_bytes"] == by_path.report()["footprint_bytes"]
+    named, given = (plan_footprint(m, batch_size=4) for m in ("resnet20", path.replace("vgg_small", "resnet20")))
+    assert named["footprint_bytes"] == given["footprint_bytes"] and named["stash"] == given["stash"]
+    (tmp_path / "vgg_small").write_text("not a model")     # a file of that name is the file, not the bundled model
+    with pytest.raises(MinigistError):
+        minigist.Net("vgg_small", batch_size=2)

@@ -15,9 +15,9 @@ from ..codecs.bits import BitMask, PackedCodes
 from ..codecs.dpr import DPR, FORMATS
 from ..codecs.fused import FusedReluPool
 from ..codecs.ssdc import SSDC
+from ..graph import MODELS_DIR
 from . import kernels as gpu_kernels
 
-MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models")
 RNG_SEED = 11
 
 

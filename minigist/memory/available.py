@@ -2,7 +2,7 @@
 before anything is allocated (instead of numpy's MemoryError, or the kernel's OOM killer)."""
 import os
 
-from ..errors import MemoryBudgetError
+from ..errors import MachineMemoryError
 
 # set to a byte count to make minigist plan for a smaller machine (tests; shared hosts)
 ENV_OVERRIDE = "MINIGIST_AVAILABLE_MEMORY"
@@ -39,10 +39,10 @@ def _size(nbytes):
 
 
 def check_fits(nbytes, what, at_least=False):
-    """Raise MemoryBudgetError if `nbytes` (what: e.g. "the static plan of vgg16 at batch 64";
+    """Raise MachineMemoryError if `nbytes` (what: e.g. "the static plan of vgg16 at batch 64";
     `at_least`: a lower bound of what it needs) is more than this machine has available."""
     free, source = available_bytes()
     if free is not None and nbytes > free:
-        raise MemoryBudgetError(f"{what} needs {'at least ' if at_least else ''}{nbytes:,} bytes ({_size(nbytes)}); this machine has "
+        raise MachineMemoryError(f"{what} needs {'at least ' if at_least else ''}{nbytes:,} bytes ({_size(nbytes)}); this machine has "
                                 f"{free:,} bytes ({_size(free)}) available ({source}): use a smaller "
                                 f"--batch-size or --input-size, or a smaller model")
