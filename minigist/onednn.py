@@ -376,20 +376,22 @@ class ConvPrimitives:
         if op.reorder is not None:
             op.reorder.run(self.stream)
 
-    def forward(self, x, weight, bias, y, ws):
+    def forward(self, x, weight, bias, y, ws, weights_ready=False):
+        """y from x; `weights_ready`: the blocked copy of the weights in `ws` holds them
+        already (a later batch chunk of the same step)."""
         self._bind("forward", {"x": x, "w": weight, "y": y}, ws)
         if bias is not None:
             self._set(self.bias_memory["b"], bias)
-        for role in ("x", "w"):
+        for role in ("x",) if weights_ready else ("x", "w"):
             self._reorder("forward", role)
         self.fwd.run(self.stream)
         self._reorder("forward", "y")
         _check(self.lib.dnnl_stream_wait(self.stream), "stream wait")
 
-    def backward(self, x, weight, gy, gx, gw, gb, ws):
+    def backward(self, x, weight, gy, gx, gw, gb, ws, weights_ready=False):
         """gx (None: not needed) and gw (None: frozen) from gy, with gb when the primitives
         were made with `bias_grad` and gw is computed. gx may share gy's bytes only where
-        `reorders_all("backward", ("gy", "gx"))` holds."""
+        `reorders_all("backward", ("gy", "gx"))` holds. `weights_ready`: as in forward."""
         arrays = {"gy": gy}
         if gx is not None:
             arrays.update(w=weight, gx=gx)
@@ -408,7 +410,8 @@ class ConvPrimitives:
             self.bwd_weights.run(self.stream)
             self._reorder("backward", "gw")
         if gx is not None:
-            self._reorder("backward", "w")
+            if not weights_ready:
+                self._reorder("backward", "w")
             self.bwd_data.run(self.stream)
             self._reorder("backward", "gx")
         _check(self.lib.dnnl_stream_wait(self.stream), "stream wait")
