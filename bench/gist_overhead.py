@@ -5,7 +5,8 @@
 
 For each model the nets (gist none, lossless, lossy fp16, all fp16) are built once, warmed up,
 then timed in alternation (none, lossless, ..., none, lossless, ...) so that machine noise hits
-every mode alike; the reported figure is the median step time and its ratio to `none`. A last
+every mode alike; the reported figures are the median step time and, in brackets, the median
+over the rounds of the step's time over `none`'s in the same round. A last
 line gives the machine's memory copy rate before and after the run (the codecs are passes over
 memory, so their share of a step grows when memory is slow). With numba installed the codecs
 run their compiled kernels, and one more column times `all fp16` with the codecs on their
@@ -83,8 +84,10 @@ def main():
                     start = time.perf_counter()
                     net.train_step(*batches[repeat % 2])
                     times[label].append(time.perf_counter() - start)
-        base = statistics.median(times["none"])
-        cells = [f"{statistics.median(t):.3f} ({statistics.median(t) / base:.3f})" for t in times.values()]
+        # a round's ratio cancels the machine's drift between rounds, which a ratio of the
+        # two medians keeps
+        cells = [f"{statistics.median(t):.3f} ({statistics.median(a / b for a, b in zip(t, times['none'])):.3f})"
+                 for t in times.values()]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     print(f"memory copy rate before / after: {rate_before:.1f} / {copy_rate():.1f} GB/s (read + write)")
 

@@ -30,7 +30,7 @@ from .comm import DEFAULT_TIMEOUT, RankTimeoutError
 from .densities import MARGIN, planned, read_densities
 from .errors import MemoryBudgetError, MinigistError
 from .graph import MODELS_DIR, build_graph
-from .memory.available import check_fits
+from .memory.available import available_bytes, check_fits
 from .memory.report import format_report, write_json
 from .net import Net, default_threads, summary
 from .passes.reduce import DEFAULT_BUCKET_BYTES
@@ -327,16 +327,18 @@ def check_output_paths(args):
 
 def check_fits_machine(graph, model, budget=None):
     """Before the data and the arena: the training plan needs at least every parameter and the
-    largest blob (float32); refuse in one line if even that is more than `budget` (the
-    --memory-budget, when given) or than this machine has."""
+    largest blob (float32); refuse in one line if even that is more than this machine has.
+    Not where a --memory-budget (`budget`) below what the machine has is given: the plan's
+    own check against it, later, says more (its largest buffers)."""
+    free, _ = available_bytes()
+    if budget is not None and free is not None and budget <= free:
+        return
     params = sum(math.prod(int(d) for d in p.shape) for layer in graph.layers for p in layer.params)
     largest = max((math.prod(int(d) for d in blob.shape) for blob in graph.blobs.values()), default=0)
-    needed = (params + largest) * np.dtype(np.float32).itemsize
-    what = (f"--model {model} at batch {graph.batch_size}, input {'x'.join(map(str, graph.input_shape))}: "
-            f"training (its parameters and its largest feature map alone)")
-    if budget is not None and needed > budget:
-        raise MemoryBudgetError(f"{what} needs at least {needed:,} bytes, the budget allows {budget:,} bytes")
-    check_fits(needed, what, at_least=True)
+    itemsize = np.dtype(np.float32).itemsize
+    check_fits((params + largest) * itemsize,
+               f"--model {model} at batch {graph.batch_size}, input {'x'.join(map(str, graph.input_shape))}: "
+               f"training (its parameters and its largest feature map alone)", at_least=True)
 
 
 def evaluate(net, data, split, batch_size, names, limit=None):
