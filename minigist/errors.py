@@ -25,5 +25,5 @@ class MemoryBudgetError(MinigistError):
 
 
 class MachineMemoryError(MemoryBudgetError):
-    """A plan needs more memory than this machine has available (no budget was passed: the
-    message names the flags that change it)."""
+    """A plan needs more memory than this machine has available; the message names the flags
+    that change it, so train.py puts no flag of its own before it."""

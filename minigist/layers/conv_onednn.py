@@ -46,8 +46,8 @@ class OneDNNEngine:
                 layer.fail(f"--conv onednn runs float32 only, not {np.dtype(layer.dtype).name}")
             self.samples = self.samples_per_call()
             self._primitives = onednn.ConvPrimitives(
-                (self.samples,) + tuple(layer.in_shape[1:]), layer.num_output, layer.group, layer.kernel, layer.stride, layer.pad,
-                layer.dilation, layer.out_hw, layer.bias_term,
+                (self.samples,) + tuple(layer.in_shape[1:]), layer.num_output, layer.group, layer.kernel,
+                layer.stride, layer.pad, layer.dilation, layer.out_hw, layer.bias_term,
                 bias_grad=layer.bias_term and layer.params[0].trained and layer.params[1].trained)
         return self._primitives
 
