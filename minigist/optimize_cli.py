@@ -140,6 +140,7 @@ def plan_only(path, options, args, out=print):
     cost = flop_model() if args.measure_rates else reference_model()
     optimizer = Optimizer(path, options, cost, lossy=args.gist == "all")
     if args.memory_budget is None:
+        out("searching the smallest plan first (the last row; minutes on the ImageNet networks) ...")
         for line in FRONTIER_HEADER:
             out(line)
         plans = frontier(optimizer, each=lambda budget, plan: out(frontier_row(budget, plan)))
