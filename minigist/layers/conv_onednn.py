@@ -21,7 +21,7 @@ class OneDNNEngine:
     # Gist has shrunk the stashes (VGG-16 at batch 64: 2.47 GB of copies). Larger batches
     # run in chunks of samples, as the im2col engine's columns do; the weight gradient of
     # every chunk after the first is computed into a workspace and added to the first's.
-    chunk_bytes = 32 << 20
+    chunk_bytes = 16 << 20
 
     def __init__(self, layer):
         self.layer = layer
