@@ -323,7 +323,7 @@ def main(argv=None):
     try:
         trainer.run()
         return 0
-    except MachineMemoryError as exc:     # names the flags that change it; no budget is involved
+    except MachineMemoryError as exc:     # the machine is the limit: its message names the flags that change it
         return _error(trainer, str(exc))
     except MemoryBudgetError as exc:
         return _error(trainer, f"--memory-budget: {exc}")
