@@ -195,14 +195,17 @@ if numba is not None:
             """DPR fp16's code of the float32 bits (as uint32): IEEE binary16 rounded to
             nearest even, and a NaN as the quiet NaN 0x7E00 with its sign (the hardware keeps
             payloads)."""
+            # A NaN becomes float32's quiet NaN of its sign before the conversion, which
+            # converts to exactly that code: the select stays on 32-bit lanes (a select on the
+            # 16-bit codes made AVX2's vectorised loops pack and unpack them, 2x as slow).
             def codegen(context, builder, signature, args):
                 i32 = _ir.IntType(32)
                 b = _int32(builder, args[0])
-                nan = builder.or_(builder.and_(builder.lshr(b, i32(16)), i32(0x8000)), i32(0x7E00))
-                is_nan = builder.icmp_unsigned(">", builder.and_(b, i32(0x7FFFFFFF)), i32(0x7F800000))
+                quiet = builder.or_(builder.and_(b, i32(0xFF800000)), i32(0x00400000))
+                is_nan = builder.icmp_signed(">", builder.and_(b, i32(0x7FFFFFFF)), i32(0x7F800000))
+                b = builder.select(is_nan, quiet, b)
                 half = builder.fptrunc(builder.bitcast(b, _ir.FloatType()), _ir.HalfType())
-                code = builder.zext(builder.bitcast(half, _ir.IntType(16)), i32)
-                return builder.select(is_nan, nan, code)
+                return builder.zext(builder.bitcast(half, _ir.IntType(16)), i32)
             return numba.types.uint32(bits), codegen
 
         @_intrinsic

@@ -253,7 +253,7 @@ class SSDC(Codec):
         fmt = self.choose(n, nnz)
         data = enc["data"]
         v = self._views(xp, data, n)
-        if nnz and compiled:
+        if compiled:
             if fmt == "csr":
                 kernels.ssdc_encode_csr(u, v["rowptr"], v["cols"], v["values"], nnz, *self._kernel_args)
             else:
