@@ -82,7 +82,8 @@ def describe(xp=np):
     if not active(xp):
         return f"ufunc path ({jit.off_reason(xp)})"
     extras = [name for name, on in (("F16C fp16", _half), ("AVX-512 compress/expand", _vector),
-                                    ("SSSE3 shuffle compress/expand", _shuffle and not _vector)) if on]
+                                    ("SSSE3 shuffle compress/expand", _shuffle and not _vector),
+                                    ("AVX2 permute for fp32", _shuffle and PERMUTE and not _vector)) if on]
     return f"numba {numba.__version__} kernels" + (f" ({', '.join(extras)})" if extras else "")
 
 
@@ -119,6 +120,8 @@ _half = HALF
 # (set_shuffle(False) selects the scalar ones); where VECTOR holds, the AVX-512 ones serve.
 SHUFFLE = _host_has("ssse3")
 _shuffle = SHUFFLE
+# There, fp32 values (SSDC's lossless form) move 8 at a time with AVX2's lane permute (vpermd).
+PERMUTE = _host_has("avx2")
 
 
 def _shuffle_tables(itemsize):
@@ -796,13 +799,13 @@ if numba is not None:
     # non-zero mask, vcvtps2ph and one pshufb: 72 us (decode 67 us). DPR fp16's NaN rule (the
     # quiet NaN 0x7E00 with its sign) is applied before the conversion, on the float32 lanes:
     # a NaN becomes the quiet float32 NaN of its sign, which converts to exactly that code.
+    def _splat(vector, value):
+        return _ir.Constant(vector, [value] * vector.count)
+
+    def _index(context, builder, signature, args, k):
+        return context.cast(builder, args[k], signature.args[k], numba.types.intp)
+
     if HALF:
-        def _splat(vector, value):
-            return _ir.Constant(vector, [value] * vector.count)
-
-        def _index(context, builder, signature, args, k):
-            return context.cast(builder, args[k], signature.args[k], numba.types.intp)
-
         def _pshufb(builder, value, control):
             byte16 = _ir.VectorType(_ir.IntType(8), 16)
             fn = _cgutils.get_or_insert_function(
@@ -898,8 +901,110 @@ if numba is not None:
                 lo, hi = bounds[k], bounds[k + 1]
                 _ssdc_decode_bitmap_half(bitmap[lo // 8:], values, offs[k], out_u[lo:hi], p, table)
 
+    # ---- fp32 SSDC on AVX2 machines: 8 words per lane permute ------------------------------
+    # SSDC's lossless values are the float32 words themselves; a byte shuffle moves 4 of them
+    # (two per bitmap byte), AVX2's vpermd moves 8: its index row per mask compresses the
+    # non-zero words to the low lanes, or spreads consecutive words to the set lanes.
+    if PERMUTE:
+        def _permd(builder, value, control):
+            word8 = _ir.VectorType(_ir.IntType(32), 8)
+            fn = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(word8, [word8, word8]), "llvm.x86.avx2.permd")
+            return builder.call(fn, [value, control])
+
+        @_intrinsic
+        def _compress_word8(typingctx, u, u_index, table, values, off):
+            """values[off:off + 8] <- u[u_index:u_index + 8]'s non-zero words in order, then
+            whatever the row's other lanes pick (32 bytes stored; the next group's store, or
+            the element-wise tail, writes over them); returns the non-zero mask (bit j =
+            element j), which picks the table's row (_WORD_COMPRESS)."""
+            def codegen(context, builder, signature, args):
+                word8 = _ir.VectorType(_ir.IntType(32), 8)
+                x = builder.load(_pointer(context, builder, signature.args[0], args[0],
+                                          _index(context, builder, signature, args, 1), word8), align=1)
+                flags = builder.icmp_unsigned("!=", x, _ir.Constant(word8, None))
+                mask = builder.zext(builder.bitcast(flags, _ir.IntType(8)), _ir.IntType(64))
+                row = builder.mul(mask, _ir.Constant(_ir.IntType(64), 8))
+                control = builder.load(_pointer(context, builder, signature.args[2], args[2], row, word8), align=1)
+                target = _pointer(context, builder, signature.args[3], args[3],
+                                  _index(context, builder, signature, args, 4), word8)
+                builder.store(_permd(builder, x, control), target, align=1)
+                return mask
+            return numba.types.uint64(u, u_index, table, values, off), codegen
+
+        @_intrinsic
+        def _expand_word8(typingctx, values, off, table, byte, out_u, out_index):
+            """out_u[out_index:out_index + 8] <- the words from values[off:] spread to the lanes
+            set in the bitmap byte `byte` (numpy.packbits order), 0 elsewhere (32 bytes of
+            values loaded)."""
+            def codegen(context, builder, signature, args):
+                word8 = _ir.VectorType(_ir.IntType(32), 8)
+                source = builder.load(_pointer(context, builder, signature.args[0], args[0],
+                                               _index(context, builder, signature, args, 1), word8), align=1)
+                byte = _index(context, builder, signature, args, 3)
+                row = builder.mul(byte, _ir.Constant(_ir.IntType(64), 8))
+                control = builder.load(_pointer(context, builder, signature.args[2], args[2], row, word8), align=1)
+                spread = builder.insert_element(_ir.Constant(word8, None), builder.trunc(byte, _ir.IntType(32)),
+                                                _ir.Constant(_ir.IntType(32), 0))
+                spread = builder.shuffle_vector(spread, spread, _ir.Constant(word8, [0] * 8))
+                lanes = builder.icmp_unsigned("!=", builder.and_(spread, _ir.Constant(word8, [128 >> j for j in range(8)])),
+                                              _ir.Constant(word8, None))
+                words = builder.select(lanes, _permd(builder, source, control), _ir.Constant(word8, None))
+                target = _pointer(context, builder, signature.args[4], args[4],
+                                  _index(context, builder, signature, args, 5), word8)
+                builder.store(words, target, align=1)
+                return context.get_dummy_value()
+            return numba.types.void(values, off, table, byte, out_u, out_index), codegen
+
+        @_jit
+        def _ssdc_encode_bitmap_word(u, bitmap, values, off, end, p, table):
+            """_ssdc_encode_bitmap for fp32 values (table: _WORD_COMPRESS); a group whose whole
+            32-byte store could pass `end` and the rest go element by element."""
+            groups = u.size // 8
+            g = 0
+            while g < groups and off + 8 <= end:
+                m = _compress_word8(u, 8 * g, table, values, off)
+                bitmap[g] = _REVERSED_BITS[m]
+                off += _popcount(m)
+                g += 1
+            return _ssdc_encode_bitmap(u[8 * g:], bitmap[g:], values, off, end, p, False)
+
+        @_jit
+        def _ssdc_decode_bitmap_word(bitmap, values, off, out_u, p, table):
+            """_ssdc_decode_bitmap for fp32 values (table: _WORD_EXPAND)."""
+            groups = out_u.size // 8
+            g = 0
+            while g < groups and off + 8 <= values.size:
+                byte = bitmap[g]
+                _expand_word8(values, off, table, byte, out_u, 8 * g)
+                off += _popcount(_U64(byte))
+                g += 1
+            _ssdc_decode_bitmap(bitmap[g:], values, off, out_u[8 * g:], p, False)
+
+        @_pjit
+        def _ssdc_encode_bitmap_word_parts(u, bitmap, values, bounds, offs, p, table):
+            for k in numba.prange(bounds.size - 1):
+                lo, hi = bounds[k], bounds[k + 1]
+                _ssdc_encode_bitmap_word(u[lo:hi], bitmap[lo // 8:], values, offs[k], offs[k + 1], p, table)
+
+        @_pjit
+        def _ssdc_decode_bitmap_word_parts(bitmap, values, out_u, bounds, offs, p, table):
+            for k in numba.prange(bounds.size - 1):
+                lo, hi = bounds[k], bounds[k + 1]
+                _ssdc_decode_bitmap_word(bitmap[lo // 8:], values, offs[k], out_u[lo:hi], p, table)
+
     # the fp16 compress table's rows in lane-mask order (bit j = element j)
     _HALF_COMPRESS = _SHUFFLE_TABLES[2][0].reshape(256, 16)[_REVERSED_BITS].ravel()
+    # vpermd's index rows: compress by lane mask (bit j = element j), expand by bitmap byte
+    # (numpy.packbits order); the lanes past the non-zeros, or not set, pick lane 0
+    _WORD_COMPRESS = np.zeros((256, 8), np.int32)
+    _WORD_EXPAND = np.zeros((256, 8), np.int32)
+    for _m in range(256):
+        _lanes = [j for j in range(8) if (_m >> j) & 1]
+        _WORD_COMPRESS[_m, :len(_lanes)] = _lanes
+        for _k, _j in enumerate(_lanes):
+            _WORD_EXPAND[_REVERSED_BITS[_m], _j] = _k
+    _WORD_COMPRESS, _WORD_EXPAND = _WORD_COMPRESS.ravel(), _WORD_EXPAND.ravel()
 
     # ---- bit packing (mask-1bit, index-{1,2,4}bit): bytes in numpy.packbits order, the
     # first element in the top bits; a last partial byte has its low bits 0 ----------------
@@ -1106,6 +1211,11 @@ def dpr_decode_flat(codes, out_u, p, per):
     _dpr(dpr_decode, _dpr_decode_parts, codes, out_u, p, per, out_u.size)
 
 
+def _shuffle_word(values, rounded):
+    """Whether the lane-permute form of the shuffle kernels serves (fp32 values, AVX2)."""
+    return _shuffle and PERMUTE and not rounded and values.itemsize == 4
+
+
 def _shuffle_half(values, p, rounded):
     """Whether the shuffle kernels' fp16-on-F16C form serves (fp16 values, p from dpr_params
     with F16C on: its last entry)."""
@@ -1116,12 +1226,15 @@ def ssdc_encode_bitmap(u, bitmap, values, nnz, p, rounded, split=None):
     """SSDC's bitmap format (see _ssdc_encode_bitmap); nnz: u's non-zeros; `split`: from
     count_nonzero (parts on several threads), or None (one)."""
     half = _shuffle_half(values, p, rounded)
+    word = _shuffle_word(values, rounded)
     if split is not None:
         bounds, offsets = split
         if _vector:
             _ssdc_encode_bitmap_vector_parts(u, bitmap, values, bounds, offsets, p, rounded)
         elif half:
             _ssdc_encode_bitmap_half_parts(u, bitmap, values, bounds, offsets, p, _HALF_COMPRESS)
+        elif word:
+            _ssdc_encode_bitmap_word_parts(u, bitmap, values, bounds, offsets, p, _WORD_COMPRESS)
         elif _shuffle:
             table = _SHUFFLE_TABLES[values.itemsize][0]
             _ssdc_encode_bitmap_shuffle_parts(u, bitmap, values, bounds, offsets, p, rounded, table)
@@ -1131,6 +1244,8 @@ def ssdc_encode_bitmap(u, bitmap, values, nnz, p, rounded, split=None):
         _ssdc_encode_bitmap_vector(u, bitmap, values, 0, nnz, p, rounded)
     elif half:
         _ssdc_encode_bitmap_half(u, bitmap, values, 0, nnz, p, _HALF_COMPRESS)
+    elif word:
+        _ssdc_encode_bitmap_word(u, bitmap, values, 0, nnz, p, _WORD_COMPRESS)
     elif _shuffle:
         _ssdc_encode_bitmap_shuffle(u, bitmap, values, 0, nnz, p, rounded, _SHUFFLE_TABLES[values.itemsize][0])
     else:
@@ -1163,6 +1278,8 @@ def ssdc_decode_bitmap(bitmap, values, out_u, nnz, p, rounded):
             _ssdc_decode_bitmap_vector_parts(bitmap, values, out_u, bounds, offsets, p, rounded)
         elif _shuffle_half(values, p, rounded):
             _ssdc_decode_bitmap_half_parts(bitmap, values, out_u, bounds, offsets, p, _SHUFFLE_TABLES[2][1])
+        elif _shuffle_word(values, rounded):
+            _ssdc_decode_bitmap_word_parts(bitmap, values, out_u, bounds, offsets, p, _WORD_EXPAND)
         elif _shuffle:
             table = _SHUFFLE_TABLES[values.itemsize][1]
             _ssdc_decode_bitmap_shuffle_parts(bitmap, values, out_u, bounds, offsets, p, rounded, table)
@@ -1175,6 +1292,8 @@ def ssdc_decode_bitmap(bitmap, values, out_u, nnz, p, rounded):
         _ssdc_decode_bitmap_vector(bitmap, values, 0, out_u, p, rounded)
     elif _shuffle_half(values, p, rounded):
         _ssdc_decode_bitmap_half(bitmap, values, 0, out_u, p, _SHUFFLE_TABLES[2][1])
+    elif _shuffle_word(values, rounded):
+        _ssdc_decode_bitmap_word(bitmap, values, 0, out_u, p, _WORD_EXPAND)
     elif _shuffle:
         _ssdc_decode_bitmap_shuffle(bitmap, values, 0, out_u, p, rounded, _SHUFFLE_TABLES[values.itemsize][1])
     else:
