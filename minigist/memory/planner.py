@@ -9,11 +9,14 @@
 Two buffers may share bytes only if their lifetimes [first_use, last_use] are disjoint.
 Placement is greedy (each buffer in turn at the best-fitting or the lowest gap between the
 buffers already placed that are live at the same time, else on top), tried under several orderings (largest
-first, longest first, largest area first, greedy by breadth, the busiest step's buffers
-stacked first); the smallest arena wins. `lower_bound()` is the most bytes live at any one step: no plan can be
+first, longest first, largest area first, greedy by breadth, the buffers live at the
+busiest steps stacked first); the smallest arena wins. `lower_bound()` is the most bytes live at any one step: no plan can be
 smaller.
 """
 from . import align
+
+# the busy steps the nested orders are anchored at, at most, and how far apart (steps)
+ANCHORS, ANCHOR_GAP = 4, 3
 
 
 class StaticPlanner:
@@ -104,10 +107,15 @@ class StaticPlanner:
         return order
 
     def _nested_orders(self):
-        """The buffers live at the busiest step first, then the rest by size. Those buffers
-        (a stash kept from the forward pass into the backward) are mostly nested: made in
-        one order, freed in the reverse. Stacked by first use they leave no holes; by size,
-        another tie-break."""
+        """The buffers live at a busy step first, then the rest by size. Those buffers (a
+        stash kept from the forward pass into the backward) are mostly nested: made in one
+        order, freed in the reverse. Stacked by first use they leave no holes; by size,
+        another tie-break; by last use, the last freed at the bottom, which also leaves none
+        where the nesting is broken (a stash freed early in the backward pass above one made
+        before it). Anchored at the busiest step, and the last order at the next busiest
+        ones too (up to ANCHORS steps, at least ANCHOR_GAP steps apart): an optimized plan has
+        several peaks of nearly the same height, whose buffers the other orders stack
+        against each other (13% above the lower bound on VGG-16's smallest fp8 plan)."""
         if not self.sizes:
             return []
         steps = max(self.lasts) + 2
@@ -115,16 +123,26 @@ class StaticPlanner:
         for size, first, last in zip(self.sizes, self.firsts, self.lasts):
             delta[first] += size
             delta[last + 1] -= size
-        live, busiest, most = 0, 0, -1
-        for step, change in enumerate(delta):
+        live, totals = 0, []
+        for change in delta:
             live += change
-            if live > most:
-                busiest, most = step, live
+            totals.append(live)
+        anchors = []
+        for step in sorted(range(steps), key=lambda s: (-totals[s], s)):
+            if all(abs(step - anchor) > ANCHOR_GAP for anchor in anchors):
+                anchors.append(step)
+                if len(anchors) == ANCHORS:
+                    break
         count = range(len(self.sizes))
-        at_peak = [self.firsts[i] <= busiest <= self.lasts[i] for i in count]
-        return [sorted(count, key=lambda i: (0, self.firsts[i], -self.sizes[i]) if at_peak[i]
-                       else (1, -self.sizes[i], self.firsts[i])),
-                sorted(count, key=lambda i: (0 if at_peak[i] else 1, -self.sizes[i], self.firsts[i]))]
+        at_peak = [self.firsts[i] <= anchors[0] <= self.lasts[i] for i in count]
+        orders = [sorted(count, key=lambda i: (0, self.firsts[i], -self.sizes[i]) if at_peak[i]
+                         else (1, -self.sizes[i], self.firsts[i])),
+                  sorted(count, key=lambda i: (0 if at_peak[i] else 1, -self.sizes[i], self.firsts[i]))]
+        for anchor in anchors:
+            at = [self.firsts[i] <= anchor <= self.lasts[i] for i in count]
+            orders.append(sorted(count, key=lambda i: (0, -self.lasts[i], -self.sizes[i]) if at[i]
+                                 else (1, -self.sizes[i], self.firsts[i])))
+        return orders
 
     def _orders(self):
         """The orders plan() places the buffers in, each tried with best fit, then first fit."""
