@@ -195,7 +195,7 @@ def make_parser():
                             "statistics that evaluation uses (default 0.9, about the last 10 batches; the "
                             "model files leave Caffe's 0.999, an average over ~1000 iterations that lags "
                             "far behind the weights in a short run: pass 0.999 for Caffe's behaviour)")
-    group.add_argument("--seed", type=int, 
+    group.add_argument("--seed", type=non_negative_int,
                        help="seed for weights, data order, augmentation and dropout (default 0)")
     group.add_argument("--threads", type=positive_int,
                        help="CPU threads of the steps: with --conv onednn oneDNN's OpenMP threads (numpy's "

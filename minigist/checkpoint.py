@@ -89,6 +89,8 @@ def read_npz(path, what, require_digest=False):
         raise
     except _DAMAGE as exc:
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        if "pickle" in str(exc):    # numpy's hint to load it unsafely is no advice to follow here
+            reason = "reading it would unpickle Python objects, which is never done"
         raise MinigistError(f"{what}: {path} is damaged or not an .npz file ({exc.__class__.__name__}: "
                             f"{reason})") from None
     stored_digest = values.pop(DIGEST_KEY, None)

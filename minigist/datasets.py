@@ -323,6 +323,10 @@ def read_folder(root, shape):
             raise MinigistError(f"--data: cannot read class folder {folder}: {exc.strerror}") from None
         images = [f for f in members if f.lower().endswith(IMAGE_EXTENSIONS)
                   and os.path.isfile(os.path.join(folder, f))]
+        for f in members:
+            path = os.path.join(folder, f)
+            if f.lower().endswith(IMAGE_EXTENSIONS) and os.path.islink(path) and not os.path.exists(path):
+                raise MinigistError(f"--data: {path} is a link to nothing ({os.readlink(path)})")
         if not images:
             raise MinigistError(f"--data: class folder {folder} has no images "
                                 f"({', '.join(IMAGE_EXTENSIONS)}); every class needs at least one")

@@ -88,6 +88,8 @@ class Net:
         if plan is not None:    # minigist.optimize's plan: its settings and decisions win
             self.options = plan.options.replace(device=device, dtype=dtype, budget=memory_budget)
         self.optimized = plan if hasattr(plan, "decisions") else None
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+            raise MinigistError(f"seed: a non-negative integer, not {seed!r}")
         self.xp = get_xp(device)
         self.dtype = self.options.dtype
         self.seed = seed

@@ -735,6 +735,12 @@ class Optimizer:
         MinigistError naming the smallest footprint reachable when none does. Under lossy
         modes, smaller batch chunks where short recomputation chains fit nothing at the
         layers' own."""
+        floor, at, parts = self.floor()
+        if budget < floor:      # proven at once, where the smallest plan's search takes minutes
+            largest = sorted(((n, k) for k, n in parts.items() if n > 0), reverse=True)[:3]
+            listed = ", ".join(f"{k} {n:,}" for n, k in largest)
+            raise MinigistError(f"--memory-budget: nothing fits {int(budget):,} bytes: no plan {self.mode_words()} "
+                                f"needs less than {floor:,} bytes (at {at}: {listed})")
         chunked = self._chunked_optimizer()
         if chunked is None:
             return self._fit(budget)

@@ -306,7 +306,9 @@ def resume_command(argv, lr=None):
     out.append("--resume")
     if lr is not None:
         out += ["--lr", f"{lr:g}"]
-    return "python train.py " + " ".join(shlex.quote(arg) for arg in out)
+    # the script as it was started (python ../minigist/train.py), so that the line pastes as it is
+    script = sys.argv[0] if os.path.basename(sys.argv[0]) == "train.py" else "train.py"
+    return f"python {shlex.quote(script)} " + " ".join(shlex.quote(arg) for arg in out)
 
 
 def check_output_paths(args):
@@ -314,8 +316,12 @@ def check_output_paths(args):
     not a folder itself, and it can be written."""
     for flag, path in (("--report-json", args.report_json), ("--plot", args.plot), ("--trace", args.trace),
                        ("--log", args.log)):
-        if not path:
+        if path is None:
             continue
+        if not path:
+            raise MinigistError(f"{flag}: an empty file name")
+        if flag == "--plot" and not path.lower().endswith(".png"):
+            raise MinigistError(f"{flag}: {path}: the plot is written as PNG; give a name ending in .png")
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path):
             raise MinigistError(f"{flag}: {path} is a folder; give a file name")
@@ -589,6 +595,8 @@ class Trainer:
         resume_flag = "--resume" if args.resume else "--resume-if-present"
         if (args.resume or args.resume_if_present) and not args.checkpoint:
             raise MinigistError(f"{resume_flag} needs --checkpoint DIR (the folder to resume from)")
+        if args.checkpoint_every and not args.checkpoint:
+            raise MinigistError("--checkpoint-every needs --checkpoint DIR (the folder to write them to)")
         if args.overwrite and (args.resume or args.resume_if_present):
             raise MinigistError(f"--overwrite starts a new run: it cannot be combined with {resume_flag}")
         if args.checkpoint:

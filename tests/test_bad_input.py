@@ -400,3 +400,42 @@ def test_a_model_whose_input_is_no_image_is_one_line(tmp_path):
                    '        inner_product_param { num_output: 3 } }\n'
                    'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }\n')
     one_line_error(run_cli("--model", mlp, *SYNTH, "--iters", 1), "--data", "feeds images")
+
+
+# ---- a new user's trial: flags that were ignored or crashed ---------------------------------
+@pytest.mark.parametrize("extra,flag,words", [
+    (["--seed", "-1"], "--seed", "non-negative"),
+    (["--checkpoint-every", "5"], "--checkpoint-every", "needs --checkpoint"),
+    (["--report-json", ""], "--report-json", "an empty file name"),
+    (["--plot", "out.jpg"], "--plot", "ending in .png"),
+])
+def test_flags_that_cannot_work_are_one_line(extra, flag, words, tiny, tmp_path):
+    one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 1, *extra), flag, words)
+
+
+def test_net_refuses_a_negative_seed(tiny):
+    with pytest.raises(MinigistError, match="seed: a non-negative integer"):
+        minigist.Net(tiny, batch_size=2, seed=-1)
+
+
+def test_a_link_to_nothing_in_an_image_folder_is_one_line(tmp_path, tiny):
+    root = tmp_path / "images"
+    for name in ("a", "b"):
+        (root / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(root / name / "one.png")
+    (root / "b" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    one_line_error(run_cli("--model", tiny, "--data", root, "--iters", 1), "gone.png", "a link to nothing")
+
+
+def test_a_pickled_file_is_no_checkpoint_and_gets_no_advice_to_unpickle(tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    np.savez(folder / CHECKPOINT_NAME, x=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(MinigistError) as error:
+        read_checkpoint(str(folder))
+    message = str(error.value)
+    assert "would unpickle Python objects, which is never done" in message and "allow_pickle" not in message
+    (folder / CHECKPOINT_NAME).write_bytes(b"garbage\n")      # numpy takes any other file for a pickle
+    with pytest.raises(MinigistError) as error:
+        read_checkpoint(str(folder))
+    assert "which is never done" in str(error.value) and "allow_pickle" not in str(error.value)

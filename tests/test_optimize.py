@@ -165,12 +165,24 @@ def test_a_looser_budget_costs_less_time_and_the_same_inputs_the_same_plan(resne
 @pytest.mark.slow
 def test_nothing_fits_is_one_line_with_the_smallest_footprint(resnet20):
     optimizer, _ = resnet20
+    smallest, floor = optimizer.smallest(), optimizer.floor()[0]
+    assert floor < smallest.footprint_bytes
     with pytest.raises(MinigistError) as error:
-        optimizer.fit(optimizer.baseline_footprint // 20)
+        optimizer.fit((floor + smallest.footprint_bytes) // 2)
     message = str(error.value)
     assert "\n" not in message and "smallest footprint reachable" in message and "its peak" in message
-    smallest = optimizer.smallest()
     assert f"{smallest.footprint_bytes:,}" in message
+
+
+def test_a_budget_below_the_floor_is_refused_at_once_with_the_floor(resnet20):
+    """Below Optimizer.floor no plan can fit: one line naming the floor and what fills it,
+    without the smallest plan's search (minutes on ResNet-50)."""
+    optimizer, _ = resnet20
+    floor, at, _ = optimizer.floor()
+    with pytest.raises(MinigistError) as error:
+        optimizer.fit(floor - 1)
+    message = str(error.value)
+    assert "\n" not in message and f"needs less than {floor:,} bytes (at {at}: " in message
 
 
 def round_robin(optimizer, shift):

@@ -28,8 +28,8 @@ class DataLayer(Layer):
         asked = self.channels_override
         if stated:
             if asked is not None and asked != stated:
-                self.fail(f"the file gives {stated} input channel(s); {asked} were asked for "
-                          f"(--input-channels / input_channels)")
+                self.fail(f"the file gives {stated} input channel(s); --input-channels / input_channels "
+                          f"asks for {asked}")
             return stated
         self.channels_stated = False
         return asked if asked is not None else 3
