@@ -203,7 +203,9 @@ def make_parser():
                             f"the CPUs this process may use (at most {MAX_DEFAULT_THREADS}; "
                             "OMP_NUM_THREADS if set), with im2col 1 (OPENBLAS_NUM_THREADS if set: on a small "
                             "machine shared with other work a multi-threaded BLAS spin-waits and can be many "
-                            "times slower). Part of a checkpoint's configuration: the float results depend on it")
+                            "times slower; oneDNN's OpenMP threads spin-wait too: there give --threads 1, or "
+                            "OMP_WAIT_POLICY=passive, which keeps the results). Part of a checkpoint's "
+                            "configuration: the float results depend on it")
     group.add_argument("--device", choices=list(DEVICES),
                        help="cpu, gpu (CuPy) or auto (GPU when one is usable); default cpu")
     group.add_argument("--conv", choices=list(CONV_CHOICES),
