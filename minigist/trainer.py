@@ -631,6 +631,9 @@ class Trainer:
         if resumed is not None:
             schedule_change = apply_checkpoint_config(args, given, resumed[0], args.checkpoint)
         threads_from = resolve_engine(args, given, resumed is not None, self.environment_defaults)
+        if "dpr" in self.given and args.gist in ("none", "lossless"):
+            self.out(f"note: --dpr {args.dpr} changes nothing under --gist {args.gist} (it is the format of "
+                     f"--gist lossy and all)")
         if args.lr is None:
             args.lr = default_lr(args.model)
         if args.warmup is None:

@@ -439,3 +439,10 @@ def test_a_pickled_file_is_no_checkpoint_and_gets_no_advice_to_unpickle(tmp_path
     with pytest.raises(MinigistError) as error:
         read_checkpoint(str(folder))
     assert "which is never done" in str(error.value) and "allow_pickle" not in str(error.value)
+
+
+def test_a_dpr_format_without_a_lossy_mode_is_named():
+    result = run_cli("--plan-only", "--model", "vgg_small", "--gist", "lossless", "--dpr", "fp8-e5m2")
+    assert result.returncode == 0 and "note: --dpr fp8-e5m2 changes nothing under --gist lossless" in result.stdout
+    result = run_cli("--plan-only", "--model", "vgg_small", "--gist", "all", "--dpr", "fp8-e5m2")
+    assert result.returncode == 0 and "note: --dpr" not in result.stdout
