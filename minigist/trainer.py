@@ -320,8 +320,6 @@ def check_output_paths(args):
             continue
         if not path:
             raise MinigistError(f"{flag}: an empty file name")
-        if flag == "--plot" and not path.lower().endswith(".png"):
-            raise MinigistError(f"{flag}: {path}: the plot is written as PNG; give a name ending in .png")
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path):
             raise MinigistError(f"{flag}: {path} is a folder; give a file name")
@@ -329,6 +327,8 @@ def check_output_paths(args):
             raise MinigistError(f"{flag}: cannot write {path}: the folder {folder} does not exist")
         if not os.access(path if os.path.exists(path) else folder, os.W_OK):
             raise MinigistError(f"{flag}: cannot write {path}: permission denied")
+        if flag == "--plot" and not path.lower().endswith(".png"):
+            raise MinigistError(f"{flag}: {path}: the plot is written as PNG; give a name ending in .png")
 
 
 def check_fits_machine(graph, model, budget=None):

@@ -853,7 +853,8 @@ if numba is not None:
                 w = builder.zext(codes, word8)
                 a = builder.and_(w, _splat(word8, 0x7FFF))
                 special = builder.or_(
-                    builder.or_(_splat(word8, 0x7F800000), builder.shl(builder.and_(a, _splat(word8, 0x3FF)), _splat(word8, 13))),
+                    builder.or_(_splat(word8, 0x7F800000),
+                                builder.shl(builder.and_(a, _splat(word8, 0x3FF)), _splat(word8, 13))),
                     builder.shl(builder.lshr(w, _splat(word8, 15)), _splat(word8, 31)))
                 bits = builder.bitcast(builder.fpext(builder.bitcast(codes, _ir.VectorType(_ir.HalfType(), 8)),
                                                      _ir.VectorType(_ir.FloatType(), 8)), word8)
@@ -947,8 +948,8 @@ if numba is not None:
                 spread = builder.insert_element(_ir.Constant(word8, None), builder.trunc(byte, _ir.IntType(32)),
                                                 _ir.Constant(_ir.IntType(32), 0))
                 spread = builder.shuffle_vector(spread, spread, _ir.Constant(word8, [0] * 8))
-                lanes = builder.icmp_unsigned("!=", builder.and_(spread, _ir.Constant(word8, [128 >> j for j in range(8)])),
-                                              _ir.Constant(word8, None))
+                bits = _ir.Constant(word8, [128 >> j for j in range(8)])
+                lanes = builder.icmp_unsigned("!=", builder.and_(spread, bits), _ir.Constant(word8, None))
                 words = builder.select(lanes, _permd(builder, source, control), _ir.Constant(word8, None))
                 target = _pointer(context, builder, signature.args[4], args[4],
                                   _index(context, builder, signature, args, 5), word8)

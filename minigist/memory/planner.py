@@ -8,10 +8,10 @@
 
 Two buffers may share bytes only if their lifetimes [first_use, last_use] are disjoint.
 Placement is greedy (each buffer in turn at the best-fitting or the lowest gap between the
-buffers already placed that are live at the same time, else on top), tried under several orderings (largest
-first, longest first, largest area first, greedy by breadth, the buffers live at the
-busiest steps stacked first); the smallest arena wins. `lower_bound()` is the most bytes live at any one step: no plan can be
-smaller.
+buffers already placed that are live at the same time, else on top), tried under several
+orderings (largest first, longest first, largest area first, greedy by breadth, the buffers
+live at the busiest steps stacked first); the smallest arena wins. `lower_bound()` is the most
+bytes live at any one step: no plan can be smaller.
 """
 from . import align
 
