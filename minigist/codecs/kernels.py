@@ -905,7 +905,9 @@ if numba is not None:
     # ---- fp32 SSDC on AVX2 machines: 8 words per lane permute ------------------------------
     # SSDC's lossless values are the float32 words themselves; a byte shuffle moves 4 of them
     # (two per bitmap byte), AVX2's vpermd moves 8: its index row per mask compresses the
-    # non-zero words to the low lanes, or spreads consecutive words to the set lanes.
+    # non-zero words to the low lanes, or spreads consecutive words to the set lanes. The loops
+    # are the fp16 ones with the other group form: one loop choosing the form by the values'
+    # dtype measured slower on both (fp32's decode 60 -> 80 us on a 2 MiB map).
     if PERMUTE:
         def _permd(builder, value, control):
             word8 = _ir.VectorType(_ir.IntType(32), 8)
