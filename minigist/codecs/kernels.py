@@ -598,6 +598,19 @@ if numba is not None:
     # row is its bitmap byte, or each half-byte for fp32. Every x86-64 CPU since 2006 has
     # SSSE3 (AVX2 ones run it with VEX encoding); LLVM cannot lower pshufb without it.
 
+    def _splat(vector, value):
+        return _ir.Constant(vector, [value] * vector.count)
+
+    def _index(context, builder, signature, args, k):
+        return context.cast(builder, args[k], signature.args[k], numba.types.intp)
+
+    def _pshufb(builder, value, control):
+        """pshufb(value, control) on two 16-byte vectors (SSSE3)."""
+        byte16 = _ir.VectorType(_ir.IntType(8), 16)
+        fn = _cgutils.get_or_insert_function(
+            builder.module, _ir.FunctionType(byte16, [byte16, byte16]), "llvm.x86.ssse3.pshuf.b.128")
+        return builder.call(fn, [value, control])
+
     @_intrinsic
     def _shuffle16(typingctx, src, src_index, table, table_index, dst, dst_index):
         """dst's 16 bytes from element dst_index <- pshufb(src's 16 bytes from element
@@ -608,9 +621,7 @@ if numba is not None:
             source = _pointer(context, builder, signature.args[0], args[0], index[0], byte16)
             control = _pointer(context, builder, signature.args[2], args[2], index[1], byte16)
             target = _pointer(context, builder, signature.args[4], args[4], index[2], byte16)
-            fn = _cgutils.get_or_insert_function(
-                builder.module, _ir.FunctionType(byte16, [byte16, byte16]), "llvm.x86.ssse3.pshuf.b.128")
-            value = builder.call(fn, [builder.load(source, align=1), builder.load(control, align=1)])
+            value = _pshufb(builder, builder.load(source, align=1), builder.load(control, align=1))
             builder.store(value, target, align=1)
             return context.get_dummy_value()
         return numba.types.void(src, src_index, table, table_index, dst, dst_index), codegen
@@ -799,19 +810,7 @@ if numba is not None:
     # non-zero mask, vcvtps2ph and one pshufb: 72 us (decode 67 us). DPR fp16's NaN rule (the
     # quiet NaN 0x7E00 with its sign) is applied before the conversion, on the float32 lanes:
     # a NaN becomes the quiet float32 NaN of its sign, which converts to exactly that code.
-    def _splat(vector, value):
-        return _ir.Constant(vector, [value] * vector.count)
-
-    def _index(context, builder, signature, args, k):
-        return context.cast(builder, args[k], signature.args[k], numba.types.intp)
-
     if HALF:
-        def _pshufb(builder, value, control):
-            byte16 = _ir.VectorType(_ir.IntType(8), 16)
-            fn = _cgutils.get_or_insert_function(
-                builder.module, _ir.FunctionType(byte16, [byte16, byte16]), "llvm.x86.ssse3.pshuf.b.128")
-            return builder.call(fn, [value, control])
-
         @_intrinsic
         def _compress_half8(typingctx, u, u_index, table, values, off):
             """values[off:off + 8] <- the fp16 codes of u[u_index:u_index + 8]'s non-zero words

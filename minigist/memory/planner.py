@@ -37,20 +37,22 @@ class StaticPlanner:
     def __len__(self):
         return len(self.sizes)
 
-    def lower_bound(self):
-        """The largest sum of (aligned) sizes of the buffers live at one step."""
-        if not self.sizes:
-            return 0
+    def _live(self):
+        """The (aligned) bytes live at each step."""
         steps = max(self.lasts) + 2
         delta = [0] * steps
         for size, first, last in zip(self.sizes, self.firsts, self.lasts):
             delta[first] += size
             delta[last + 1] -= size
-        live, best = 0, 0
+        live, totals = 0, []
         for change in delta:
             live += change
-            best = max(best, live)
-        return best
+            totals.append(live)
+        return totals
+
+    def lower_bound(self):
+        """The largest sum of (aligned) sizes of the buffers live at one step."""
+        return max(self._live()) if self.sizes else 0
 
     def _place(self, order, first_fit=False, give_up_at=None):
         """Offsets for the buffers in `order`, each in turn: in the smallest gap between the
@@ -118,17 +120,9 @@ class StaticPlanner:
         against each other (13% above the lower bound on VGG-16's smallest fp8 plan)."""
         if not self.sizes:
             return []
-        steps = max(self.lasts) + 2
-        delta = [0] * steps
-        for size, first, last in zip(self.sizes, self.firsts, self.lasts):
-            delta[first] += size
-            delta[last + 1] -= size
-        live, totals = 0, []
-        for change in delta:
-            live += change
-            totals.append(live)
+        totals = self._live()
         anchors = []
-        for step in sorted(range(steps), key=lambda s: (-totals[s], s)):
+        for step in sorted(range(len(totals)), key=lambda s: (-totals[s], s)):
             if all(abs(step - anchor) > ANCHOR_GAP for anchor in anchors):
                 anchors.append(step)
                 if len(anchors) == ANCHORS:
