@@ -142,8 +142,8 @@ def avx2_environment():
 
 # F16C's conversions between float32 and IEEE binary16 (vcvtps2ph / vcvtph2ps: LLVM's fptrunc
 # and fpext to half, 8 or 16 lanes per instruction), as uint32 bit patterns: half_from_bits
-# rounds to nearest even; bits_from_half is exact. dpr_half_code and float_bits_of_half add
-# DPR fp16's NaN rules (the codecs' kernels and the layers' use them). Without F16C LLVM would
+# rounds to nearest even; bits_from_half is exact. dpr_half_code adds DPR fp16's NaN rule, on
+# which float_bits_of_dpr_half relies (the codecs' kernels and the layers' use them). Without F16C LLVM would
 # lower the conversions to a library call the JIT cannot link (the process aborts), so there
 # they are stand-ins returning 0, for branches that are never taken.
 HALF = _host_has("f16c")
@@ -197,31 +197,29 @@ if numba is not None:
             payloads)."""
             # A NaN becomes float32's quiet NaN of its sign before the conversion, which
             # converts to exactly that code: the select stays on 32-bit lanes (a select on the
-            # 16-bit codes made AVX2's vectorised loops pack and unpack them, 2x as slow).
+            # 16-bit codes made AVX2's vectorised loops pack and unpack them, 2x as slow), and
+            # an unordered float compare finds the NaNs in one instruction (AVX2 has no
+            # unsigned 32-bit compare: the integer test took three).
             def codegen(context, builder, signature, args):
                 i32 = _ir.IntType(32)
                 b = _int32(builder, args[0])
                 quiet = builder.or_(builder.and_(b, i32(0xFF800000)), i32(0x00400000))
-                is_nan = builder.icmp_signed(">", builder.and_(b, i32(0x7FFFFFFF)), i32(0x7F800000))
-                b = builder.select(is_nan, quiet, b)
+                value = builder.bitcast(b, _ir.FloatType())
+                b = builder.select(builder.fcmp_unordered("uno", value, value), quiet, b)
                 half = builder.fptrunc(builder.bitcast(b, _ir.FloatType()), _ir.HalfType())
                 return builder.zext(builder.bitcast(half, _ir.IntType(16)), i32)
             return numba.types.uint32(bits), codegen
 
         @_intrinsic
-        def float_bits_of_half(typingctx, code):
-            """The float32 bits (as uint32) of the binary16 code (its low 16 bits), Inf and NaN
-            by their bits (the hardware quiets a signalling NaN; numpy's cast keeps it)."""
+        def float_bits_of_dpr_half(typingctx, code):
+            """The float32 bits (as uint32) of the binary16 code (its low 16 bits) that DPR
+            fp16 wrote: numpy's cast, bit for bit, for every such code. The conversion alone:
+            the hardware quiets a signalling NaN where numpy keeps it, but DPR writes none
+            (every NaN becomes the quiet 0x7E00 with its sign), and the select that kept one
+            signalling made AVX2's decode loops twice as slow."""
             def codegen(context, builder, signature, args):
-                i32 = _ir.IntType(32)
-                w = builder.and_(_int32(builder, args[0]), i32(0xFFFF))
-                a = builder.and_(w, i32(0x7FFF))
-                special = builder.or_(
-                    builder.or_(i32(0x7F800000), builder.shl(builder.and_(a, i32(0x3FF)), i32(13))),
-                    builder.shl(builder.lshr(w, i32(15)), i32(31)))
-                half = builder.bitcast(builder.trunc(w, _ir.IntType(16)), _ir.HalfType())
-                bits = builder.bitcast(builder.fpext(half, _ir.FloatType()), i32)
-                return builder.select(builder.icmp_unsigned(">=", a, i32(0x7C00)), special, bits)
+                half = builder.bitcast(builder.trunc(_int32(builder, args[0]), _ir.IntType(16)), _ir.HalfType())
+                return builder.bitcast(builder.fpext(half, _ir.FloatType()), _ir.IntType(32))
             return numba.types.uint32(code), codegen
     else:
         _U32 = np.uint32
@@ -233,9 +231,6 @@ if numba is not None:
             return nan if (bits & _U32(0x7FFFFFFF)) > _U32(0x7F800000) else half_from_bits(bits)
 
         @numba.njit(cache=True, nogil=True)
-        def float_bits_of_half(code):
+        def float_bits_of_dpr_half(code):
             """The stand-in: never called without F16C (the kernels take the integer path)."""
-            w = _U32(code)
-            a = w & _U32(0x7FFF)
-            special = _U32(0x7F800000) | ((a & _U32(0x3FF)) << _U32(13)) | ((w >> _U32(15)) << _U32(31))
-            return special if a >= _U32(0x7C00) else bits_from_half(w)
+            return bits_from_half(_U32(code))

@@ -154,8 +154,9 @@ if numba is not None:
     # than the integer arithmetic below for encode, 2.6x for decode. Round to nearest even,
     # subnormals, overflow to Inf and signed zeros are IEEE's, as in the integer path; NaNs are
     # fixed up to the integer path's codes (the hardware keeps payloads: encode writes the
-    # canonical quiet NaN instead, decode of a signalling-NaN code keeps it signalling).
-    _dpr_half_code, _float_bits_of_half = jit.dpr_half_code, jit.float_bits_of_half
+    # canonical quiet NaN instead). Decode is the conversion alone, exact for every code
+    # encode writes (no signalling NaN among them).
+    _dpr_half_code, _float_bits_of_dpr_half = jit.dpr_half_code, jit.float_bits_of_dpr_half
 
     @_jit
     def _encode_one(x, p):
@@ -184,7 +185,7 @@ if numba is not None:
     def _decode_one(c, p):
         """DPR code c -> float32 bits, exactly as DPR._decode_core."""
         if p[14]:                         # fp16 on F16C
-            return _float_bits_of_half(c)
+            return _float_bits_of_dpr_half(c)
         shift, abs_mask, special, adj = _U32(p[0]), _U32(p[9]), _U32(p[10]), _U32(p[11])
         mantissa_bits = _U32(p[8])
         w = _U32(c) & abs_mask
@@ -823,9 +824,9 @@ if numba is not None:
                                           _index(context, builder, signature, args, 1), word8), align=1)
                 flags = builder.icmp_unsigned("!=", x, _ir.Constant(word8, None))
                 mask = builder.zext(builder.bitcast(flags, _ir.IntType(8)), _ir.IntType(64))
-                magnitude = builder.and_(x, _splat(word8, 0x7FFFFFFF))
                 quiet = builder.or_(builder.and_(x, _splat(word8, 0xFF800000)), _splat(word8, 0x00400000))
-                x = builder.select(builder.icmp_signed(">", magnitude, _splat(word8, 0x7F800000)), quiet, x)
+                values8 = builder.bitcast(x, _ir.VectorType(_ir.FloatType(), 8))
+                x = builder.select(builder.fcmp_unordered("uno", values8, values8), quiet, x)   # as dpr_half_code
                 half = builder.fptrunc(builder.bitcast(x, _ir.VectorType(_ir.FloatType(), 8)),
                                        _ir.VectorType(_ir.HalfType(), 8))
                 row = builder.mul(mask, _ir.Constant(_ir.IntType(64), 16))
@@ -840,7 +841,7 @@ if numba is not None:
         def _expand_half8(typingctx, values, off, table, byte, out_u, out_index):
             """out_u[out_index:out_index + 8] <- the float32 bits of the fp16 codes from
             values[off:] spread to the lanes set in the bitmap byte `byte` (0 elsewhere),
-            as float_bits_of_half gives them (16 bytes of values loaded)."""
+            as float_bits_of_dpr_half gives them (16 bytes of values loaded)."""
             def codegen(context, builder, signature, args):
                 word8 = _ir.VectorType(_ir.IntType(32), 8)
                 byte16 = _ir.VectorType(_ir.IntType(8), 16)
@@ -849,15 +850,8 @@ if numba is not None:
                 row = builder.mul(_index(context, builder, signature, args, 3), _ir.Constant(_ir.IntType(64), 16))
                 control = builder.load(_pointer(context, builder, signature.args[2], args[2], row, byte16), align=1)
                 codes = builder.bitcast(_pshufb(builder, source, control), _ir.VectorType(_ir.IntType(16), 8))
-                w = builder.zext(codes, word8)
-                a = builder.and_(w, _splat(word8, 0x7FFF))
-                special = builder.or_(
-                    builder.or_(_splat(word8, 0x7F800000),
-                                builder.shl(builder.and_(a, _splat(word8, 0x3FF)), _splat(word8, 13))),
-                    builder.shl(builder.lshr(w, _splat(word8, 15)), _splat(word8, 31)))
                 bits = builder.bitcast(builder.fpext(builder.bitcast(codes, _ir.VectorType(_ir.HalfType(), 8)),
                                                      _ir.VectorType(_ir.FloatType(), 8)), word8)
-                bits = builder.select(builder.icmp_unsigned(">=", a, _splat(word8, 0x7C00)), special, bits)
                 target = _pointer(context, builder, signature.args[4], args[4],
                                   _index(context, builder, signature, args, 5), word8)
                 builder.store(bits, target, align=1)
