@@ -11,6 +11,16 @@ from .graph import layer_spec
 from .layers import LAYER_TYPES
 
 
+def codes_dpr_writes(fmt, codes):
+    """The codes among `codes` (one per element) that DPR in `fmt` can write: every one, but
+    for fp16 not a signalling NaN (DPR writes every NaN as 0x7E00 with its sign, and its F16C
+    decode, the conversion alone, would quiet one)."""
+    if fmt != "fp16":
+        return codes
+    magnitude = np.asarray(codes).astype(np.uint32) & 0x7FFF
+    return codes[~((magnitude > 0x7C00) & (magnitude & 0x200 == 0))]
+
+
 def make_layer(text, bottom_shapes, dtype=np.float64, phase="TRAIN", engine=None):
     """Build and set up the layer described by a `layer { ... }` body (without the braces),
     made for the compute `engine` (None: its default)."""

@@ -11,6 +11,7 @@ import pytest
 import minigist
 from minigist.codecs.dpr import DPR, FORMATS
 from minigist.gpu.rules import XP, DeviceArray, Generator, check_training
+from minigist.testing import codes_dpr_writes
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 MODELS = os.path.join(ROOT, "models")
@@ -88,7 +89,7 @@ def test_host_syncs_allocations_and_data_sized_results_are_recorded():
 
 def test_the_old_dpr_decode_relied_on_subnormals_and_the_new_one_does_not():
     """The decode that shifted a code into a float32 subnormal and scaled it up (what CuPy's
-    -ftz=true kernels turned into 0) is caught; DPR's decode of every code is not, and writes
+    -ftz=true kernels turned into 0) is caught; DPR's decode of every code it writes is not, and writes
     the numpy path's bytes under the checker."""
     pattern = device(np.array([1 << 13], np.uint32)).view(np.float32)      # fp16's smallest subnormal, shifted
     with XP.checking() as old:
@@ -96,8 +97,8 @@ def test_the_old_dpr_decode_relied_on_subnormals_and_the_new_one_does_not():
     assert rules_of(old) == ["subnormal"]
     for fmt in FORMATS:
         dpr = DPR(fmt)
-        n = 1 << (dpr.E + dpr.M + 1)
-        codes = np.arange(n, dtype=np.uint32)
+        codes = codes_dpr_writes(fmt, np.arange(1 << (dpr.E + dpr.M + 1), dtype=np.uint32))
+        n = codes.size
         if dpr.per == 3:
             codes = codes[codes < 1024]
             words = np.zeros(-(-codes.size // 3), np.uint32)

@@ -24,7 +24,7 @@ from minigist.codecs.fused import FusedReluPool
 from minigist.codecs.kernels import _dpr_params
 from minigist.codecs.ssdc import SSDC
 from minigist.gpu import cuda_source, kernels as gpu_kernels, nvrtc
-from minigist.testing import make_layer
+from minigist.testing import codes_dpr_writes, make_layer
 
 RNG = np.random.default_rng(7)
 
@@ -160,7 +160,7 @@ def test_dpr_element_functions_write_the_numpy_codes_and_values(host, fmt, ufunc
     else:
         host.h_dpr_encode(ptr(x), ptr(got), i64(n), ptr(params(dpr)))
     np.testing.assert_array_equal(got, codes.astype(np.uint32))
-    every = np.arange(1 << (dpr.E + dpr.M + 1), dtype=np.uint32)
+    every = codes_dpr_writes(dpr.fmt, np.arange(1 << (dpr.E + dpr.M + 1), dtype=np.uint32))
     want = np.empty(every.size, np.float32)
     if dpr.per == 3:
         words = np.zeros(-(-every.size // 3), np.uint32)

@@ -21,6 +21,7 @@ import pytest
 from minigist.codecs import kernels
 from minigist.codecs.dpr import DPR, FORMATS, code_units
 from minigist.codecs.ssdc import SSDC
+from minigist.testing import codes_dpr_writes
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 
@@ -108,15 +109,10 @@ def test_dpr_encode_same_codes(fmt, n):
 @VARIANTS
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_dpr_decode_every_code(fmt):
-    """Every code the encoder can write: for fp16, every code but the signalling NaNs, which
-    DPR never writes (every NaN becomes the quiet 0x7E00 with its sign) and which F16C's
-    conversion quiets."""
+    """Every code the encoder can write (minigist.testing.codes_dpr_writes)."""
     dpr = DPR(fmt)
     if dpr.per == 1:
-        codes = np.arange(1 << (8 * dpr.code_dtype.itemsize)).astype(dpr.code_dtype)
-        if fmt == "fp16":
-            magnitude = codes & 0x7FFF
-            codes = codes[~((magnitude > 0x7C00) & (magnitude & 0x200 == 0))]
+        codes = codes_dpr_writes(fmt, np.arange(1 << (8 * dpr.code_dtype.itemsize)).astype(dpr.code_dtype))
         n = codes.size
     else:                                     # fp10: every 10-bit code in each of the 3 slots
         c = np.arange(1024, dtype=np.uint32)
