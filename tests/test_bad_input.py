@@ -152,6 +152,7 @@ def test_net_load_damaged_files(tiny, tmp_path):
 
 
 # ---- 2. sizes beyond memory ---------------------------------------------------------------
+@pytest.mark.slow
 def test_sizes_beyond_memory_are_one_line_before_anything_is_allocated(tiny):
     line = one_line_error(run_cli("--model", tiny, "--data", "synthetic", "--input-size", 100000, "--iters", 1),
                           "needs at least", "bytes", "available")
@@ -287,6 +288,7 @@ def test_decompression_bomb_is_one_line_naming_the_image(side, tmp_path, tiny):
 
 
 # ---- 8. an edited model ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_edited_model_is_refused_on_resume_naming_what_changed(tmp_path):
     model = tmp_path / "net.prototxt"
     model.write_text(TINY)
@@ -305,6 +307,7 @@ def test_edited_model_is_refused_on_resume_naming_what_changed(tmp_path):
 
 
 # ---- 11, 12. fresh runs over a checkpoint, --resume without one ------------------------------
+@pytest.mark.slow
 def test_fresh_run_over_a_checkpoint_is_refused(checkpoint_file, tiny, tmp_path):
     (tmp_path / CHECKPOINT_NAME).write_bytes(checkpoint_file[1])      # train.py's, at iteration 2
     one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 3, "--checkpoint", tmp_path),
@@ -316,6 +319,7 @@ def test_fresh_run_over_a_checkpoint_is_refused(checkpoint_file, tiny, tmp_path)
     one_line_error(run_cli("--checkpoint", tmp_path, "--resume", "--overwrite"), "--overwrite")
 
 
+@pytest.mark.slow
 def test_resume_needs_a_checkpoint_unless_asked_if_present(tiny, tmp_path):
     mistyped = tmp_path / "rnus"
     line = one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 2, "--checkpoint", mistyped, "--resume"),
@@ -361,6 +365,7 @@ def test_checkpoint_holding_nan_is_never_resumed(checkpoint_file, tmp_path):
 
 
 # ---- 14. Ctrl-C --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ctrl_c_names_the_iteration_and_the_resume_command(tiny, tmp_path):
     argv = ["--model", tiny, *map(str, SYNTH), "--iters", "100000", "--checkpoint", str(tmp_path),
             "--checkpoint-every", "1"]

@@ -19,6 +19,7 @@ def run_with_cache(cache):
                           cwd=ROOT)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not jit.available(), reason="numba is not installed")
 def test_a_compile_is_announced_in_one_line_and_a_cache_load_is_not(tmp_path):
     first = run_with_cache(tmp_path)

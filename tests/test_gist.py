@@ -143,6 +143,7 @@ def test_encodings_and_shortened_lifetimes_on_vgg_small():
     assert program.buffers["blob:conv1_1@relu1_1"].last_use < first_backward
 
 
+@pytest.mark.slow
 def test_gist_shrinks_the_static_footprint():
     sizes = {}
     for gist in ("none", "lossless", "lossy", "all"):
@@ -221,6 +222,7 @@ def test_plan_only_footprint_with_densities():
     assert report["gist"]["mode"] == "all"
 
 
+@pytest.mark.slow
 def test_conv_inputs_are_decoded_a_slice_at_a_time():
     """An SSDC-encoded ReLU output read by a convolution and its ReLU is encoded per sample and
     decoded one backward chunk at a time: no decode step, and no full-size FP32 copy. A stash

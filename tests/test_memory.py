@@ -380,8 +380,8 @@ def test_small_models_train_bit_identically_in_every_mode(name):
 
 
 # ---- fused update: each parameter updated right after its layer's backward --------------
-@pytest.mark.parametrize("name", [name if name == "resnet20" else pytest.param(name, marks=pytest.mark.slow)
-                                  for name in SMALL_MODELS])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SMALL_MODELS)
 def test_fused_update_gives_the_same_bits_and_frees_weight_gradients(name):
     rng = np.random.default_rng(4)
     data = [(rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(3)]

@@ -150,6 +150,7 @@ def test_onednn_batch_chunks_give_the_whole_batch_results(monkeypatch, frozen_bi
     np.testing.assert_allclose(results[2][0], results[6][0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_onednn_chunks_keep_the_plan_exact_and_gist_lossless(monkeypatch):
     """Chunked (one sample per call here) the plan is still the declared bytes, Gist hands the
     stash chunk by chunk, and lossless trains to the plain net's bits."""

@@ -314,6 +314,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny, tmp_path):
 
 
 # ---- bad input ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_unknown_model_and_flag_values():
     one_line_error(run_cli("--model", "nosuchnet"), "nosuchnet", "bundled")
     one_line_error(run_cli("--alloc", "sometimes"), "--alloc")
@@ -358,6 +359,7 @@ def test_more_data_folder_errors(tmp_path, tiny):
     one_line_error(run_cli("--model", tiny, "--data", many), "4 class folders", "3 classes")
 
 
+@pytest.mark.slow
 def test_input_size_and_budget_errors():
     # `--plan-only --memory-budget 1MB` runs in tests/test_first_run.py, whose
     # test_the_plan_only_budget_error_lists_the_largest_buffers asserts this line and more
@@ -532,6 +534,7 @@ def test_conv_auto_names_and_records_the_engine_it_chose(tiny, tmp_path):
 
 
 # ---- calibration and random streams -------------------------------------------------------
+@pytest.mark.slow
 def test_lossless_trains_bit_for_bit_like_none_on_a_net_with_dropout(tiny, tmp_path):
     """Calibration (lossless measures SSDC's densities on a few batches first) leaves every
     random stream as it found it: Dropout's masks, and so the losses and the weights, are those
