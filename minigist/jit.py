@@ -143,9 +143,9 @@ def avx2_environment():
 # F16C's conversions between float32 and IEEE binary16 (vcvtps2ph / vcvtph2ps: LLVM's fptrunc
 # and fpext to half, 8 or 16 lanes per instruction), as uint32 bit patterns: half_from_bits
 # rounds to nearest even; bits_from_half is exact. dpr_half_code adds DPR fp16's NaN rule, on
-# which float_bits_of_dpr_half relies (the codecs' kernels and the layers' use them). Without F16C LLVM would
-# lower the conversions to a library call the JIT cannot link (the process aborts), so there
-# they are stand-ins returning 0, for branches that are never taken.
+# which float_bits_of_dpr_half relies (the codecs' kernels and the layers' use them). Without
+# F16C LLVM would lower the conversions to a library call the JIT cannot link (the process
+# aborts), so there they are stand-ins returning 0, for branches that are never taken.
 HALF = _host_has("f16c")
 
 # masked vector stores that cost what plain ones do (AVX-512's); AVX2's vmaskmovps store is
@@ -218,7 +218,8 @@ if numba is not None:
             (every NaN becomes the quiet 0x7E00 with its sign), and the select that kept one
             signalling made AVX2's decode loops twice as slow."""
             def codegen(context, builder, signature, args):
-                half = builder.bitcast(builder.trunc(_int32(builder, args[0]), _ir.IntType(16)), _ir.HalfType())
+                code16 = builder.trunc(_int32(builder, args[0]), _ir.IntType(16))
+                half = builder.bitcast(code16, _ir.HalfType())
                 return builder.bitcast(builder.fpext(half, _ir.FloatType()), _ir.IntType(32))
             return numba.types.uint32(code), codegen
     else:

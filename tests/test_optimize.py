@@ -304,10 +304,11 @@ def test_library_example():
 def test_a_budget_only_smaller_chunks_reach_trains_with_them(resnet20):
     optimizer, data = resnet20
     lossy = Optimizer(model("resnet20"), optimizer.options, COST, lossy=True)
-    own, chunked = lossy._smallest(), lossy._chunked_optimizer()._smallest()
-    assert chunked.footprint_bytes < 0.8 * own.footprint_bytes     # im2col's columns were most of the workspace
-    plan = lossy.fit(chunked.footprint_bytes)
-    assert plan.options.chunk_bytes == SMALL_CHUNK_BYTES and plan.footprint_bytes <= chunked.footprint_bytes
+    # 20% below the smallest plan at the layers' own chunks: im2col's columns were most of the
+    # workspace (a budget at the smaller chunks' own minimum fits too, in 30 s of search more)
+    budget = int(0.8 * lossy._smallest().footprint_bytes)
+    plan = lossy.fit(budget)
+    assert plan.options.chunk_bytes == SMALL_CHUNK_BYTES and plan.footprint_bytes <= budget
     assert plan.baseline_footprint_bytes == lossy.baseline_footprint
     net = minigist.Net(model("resnet20"), plan=plan)
     assert net.report()["footprint_with_evaluation_bytes"] == plan.footprint_bytes
