@@ -51,9 +51,10 @@ if numba is not None:
 
     @_jit
     def half_f16c_to_float(h):
-        """half_bits_to_float through F16C's conversion, which vectorises (4x as fast in
-        BatchNorm's backward product on AVX2), for the codes DPR fp16 writes: every one but a
-        signalling NaN, which DPR never writes (jit.float_bits_of_dpr_half)."""
+        """half_bits_to_float through F16C's conversion, which vectorises, for the codes DPR
+        fp16 writes: every one but a signalling NaN, which DPR never writes
+        (jit.float_bits_of_dpr_half). BatchNorm's backward product on AVX2, in cache: 1.9-2.8x
+        as fast as with the select that kept such a NaN signalling."""
         return _U32(jit.float_bits_of_dpr_half(h)).view(np.float32)
 
     half_to_float = half_f16c_to_float if jit.HALF else half_bits_to_float
