@@ -311,6 +311,19 @@ def resume_command(argv, lr=None):
     return f"python {shlex.quote(script)} " + " ".join(shlex.quote(arg) for arg in out)
 
 
+def _probe_writable(flag, path):
+    """Open `path` for appending (an existing file is left as it is; a new one is removed
+    again): permission bits alone miss places such as /proc, which refuse any new file."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise MinigistError(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
+    if not existed:
+        os.remove(path)
+
+
 def check_output_paths(args):
     """Every file the run will write, checked before anything runs: its folder exists, it is
     not a folder itself, and it can be written."""
@@ -325,8 +338,7 @@ def check_output_paths(args):
             raise MinigistError(f"{flag}: {path} is a folder; give a file name")
         if not os.path.isdir(folder):
             raise MinigistError(f"{flag}: cannot write {path}: the folder {folder} does not exist")
-        if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-            raise MinigistError(f"{flag}: cannot write {path}: permission denied")
+        _probe_writable(flag, path)
         if flag == "--plot" and not path.lower().endswith(".png"):
             raise MinigistError(f"{flag}: {path}: the plot is written as PNG; give a name ending in .png")
 

@@ -233,13 +233,23 @@ def test_output_paths_are_checked_before_training(flag, tiny, tmp_path):
         locked = tmp_path / "locked"
         locked.mkdir()
         locked.chmod(0o500)
-        one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 1, flag, locked / "x"), flag, "permission")
+        one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 1, flag, locked / "x"), flag, "Permission denied")
     assert time.perf_counter() - start < 60
 
 
 def test_plan_only_output_paths_too(tmp_path):
     one_line_error(run_cli("--plan-only", "--model", "vgg_small", "--report-json", tmp_path / "none" / "r.json"),
                    "--report-json", "does not exist")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc: a folder that refuses new files is needed")
+@pytest.mark.parametrize("flag", ["--report-json", "--plot"])
+def test_a_folder_that_refuses_new_files_is_named_before_the_plan(flag):
+    """/proc has write permission for root but takes no new file: the path is tried, not
+    only its permission bits (the report used to print, then a traceback)."""
+    result = run_cli("--plan-only", "--model", "vgg_small", flag, "/proc/minigist-out.png")
+    one_line_error(result, flag, "cannot write /proc/minigist-out.png")
+    assert "footprint" not in result.stdout
 
 
 def test_a_folder_or_a_malformed_number_for_a_model_is_one_line(tmp_path):
