@@ -59,7 +59,7 @@ from minigist.backend import DEVICES  # noqa: E402
 from minigist.checkpoint import CHECKPOINT_NAME, CONFIG_EXTRA_KEYS, RESUME_KEYS  # noqa: E402
 from minigist.cli_args import (Parser, byte_size, config_checker, explicit_flags, fraction,  # noqa: E402
                                fraction_inclusive, join_negative_sizes, non_negative_float, non_negative_int,
-                               positive_int)
+                               positive_int, seed_int)
 from minigist.codecs import DPR_FORMATS, GIST_MODES  # noqa: E402
 from minigist.comm import DEFAULT_TIMEOUT, RankTimeoutError  # noqa: E402
 from minigist.errors import MachineMemoryError, MemoryBudgetError, MinigistError  # noqa: E402
@@ -195,7 +195,7 @@ def make_parser():
                             "statistics that evaluation uses (default 0.9, about the last 10 batches; the "
                             "model files leave Caffe's 0.999, an average over ~1000 iterations that lags "
                             "far behind the weights in a short run: pass 0.999 for Caffe's behaviour)")
-    group.add_argument("--seed", type=non_negative_int,
+    group.add_argument("--seed", type=seed_int,
                        help="seed for weights, data order, augmentation and dropout (default 0)")
     group.add_argument("--threads", type=positive_int,
                        help="CPU threads of the steps: with --conv onednn oneDNN's OpenMP threads (numpy's "

@@ -79,6 +79,12 @@ def read_npz(path, what, require_digest=False):
     """{name: array} of an .npz file, its digest checked (and removed) where it has one.
     `what` starts every message ("--resume: ...", a weights file's path)."""
     try:
+        with open(path, "rb") as file:
+            head = file.read(6)
+        # numpy reads a file that is neither a zip archive nor an .npy array as a pickle, and
+        # would refuse it as one: a text file is named for what it is not
+        if not head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
+            raise MinigistError(f"{what}: {path} is not an .npz file (it does not begin as a zip archive does)")
         with np.load(path, allow_pickle=False) as stored:
             if not isinstance(stored, np.lib.npyio.NpzFile):
                 raise MinigistError(f"{what}: {path} is a single .npy array, not an .npz archive")

@@ -5,22 +5,35 @@ import math
 import re
 
 
-def _integer_at_least(text, least, what):
+# counts and sizes are bounded as Caffe's schema bounds its uint32 fields (batch_size,
+# num_output, max_iter's range): past it a plan's arithmetic leaves what numpy's int64 shapes
+# hold, and factoring a batch for oneDNN's chunks would take minutes
+UINT32_MAX = 2**32 - 1
+SEED_MAX = 2**64 - 1       # numpy's and torch's seeds take 64 bits
+
+
+def _integer_in(text, least, most, what):
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
     if value < least:
         raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer of at most {most:,}, got {text!r}")
     return value
 
 
 def positive_int(text):
-    return _integer_at_least(text, 1, "positive")
+    return _integer_in(text, 1, UINT32_MAX, "positive")
 
 
 def non_negative_int(text):
-    return _integer_at_least(text, 0, "non-negative")
+    return _integer_in(text, 0, UINT32_MAX, "non-negative")
+
+
+def seed_int(text):
+    return _integer_in(text, 0, SEED_MAX, "non-negative")
 
 
 def non_negative_float(text):

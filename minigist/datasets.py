@@ -147,14 +147,18 @@ def random_crop(images, pad, rng, drawn=None, part=slice(None)):
     crop of the zero-padded image at the original size. The offsets are drawn for `drawn`
     images (None: these) and `part` of them applied (the images of a rank's part of a batch)."""
     n, c, h, w = images.shape
-    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=images.dtype)
-    padded[:, :, pad:pad + h, pad:pad + w] = images
     drawn = n if drawn is None else drawn
     dy = rng.integers(0, 2 * pad + 1, size=drawn)[part]
     dx = rng.integers(0, 2 * pad + 1, size=drawn)[part]
-    out = np.empty_like(images)
+    # the part of each image that stays inside the crop is copied; the padded image itself is
+    # never built (its size grows with the square of `pad`)
+    out = np.zeros_like(images)
     for i in range(n):
-        out[i] = padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
+        sy, sx = int(dy[i]) - pad, int(dx[i]) - pad      # source row/column of the crop's first one
+        y0, y1 = max(0, -sy), min(h, h - sy)
+        x0, x1 = max(0, -sx), min(w, w - sx)
+        if y0 < y1 and x0 < x1:
+            out[i, :, y0:y1, x0:x1] = images[i, :, y0 + sy:y1 + sy, x0 + sx:x1 + sx]
     return out
 
 

@@ -43,6 +43,9 @@ def open_ranks(args, plan_only):
     launched = launched_size() or 1
     if plan_only:
         args.ranks = args.ranks or launched
+        if args.ranks == 1 and args.shard != "none":
+            raise MinigistError(f"--shard {args.shard}: splits the training state among ranks, and this plan is "
+                                f"for one process: give --ranks N to see one of N ranks' footprint")
         return None
     if args.ranks is not None and args.ranks != launched:
         raise MinigistError(f"--ranks {args.ranks}: a training run has as many ranks as processes were started "

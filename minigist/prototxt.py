@@ -158,7 +158,8 @@ class _Parser:
                 seen.add(name)
                 spec = spec.lstrip("*")
             kind, value, value_line = self.peek()
-            if kind == "punct" and value == ":":
+            colon = kind == "punct" and value == ":"
+            if colon:
                 self.take()
                 kind, value, value_line = self.peek()
             if kind == "punct" and value in "{<":
@@ -167,6 +168,8 @@ class _Parser:
                 self.take()
                 if not repeated:
                     self.fail(tok_line, f"field '{name}' in {type_name} is not repeated: give one value, not a list")
+                if spec in _SCALARS or spec in ENUMS:
+                    self.need_colon(colon, name, tok_line)
                 while True:
                     kind, value, value_line = self.peek()
                     if kind == "eof":
@@ -178,11 +181,20 @@ class _Parser:
                     elif kind == "punct" and value in "{<":
                         msg.fields.append((name, self.parse_block(spec, name, value_line, depth), value_line))
                     else:
+                        self.need_colon(colon, name, tok_line)
                         self.take()
                         msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), value_line))
             else:
+                if kind not in ("eof", "punct"):
+                    self.need_colon(colon, name, tok_line)
                 self.take()
                 msg.fields.append((name, self.convert(spec, kind, value, value_line, name, type_name), tok_line))
+
+    def need_colon(self, colon, name, line):
+        """Protobuf's text format, and so Caffe, reads `name: value` for a value that is no
+        block: without the colon it stops at the file."""
+        if not colon:
+            self.fail(line, f"field '{name}' needs a ':' before its value ({name}: ...)")
 
     def parse_block(self, spec, name, line, depth):
         """The `{ ... }` or `< ... >` value of field `name`, its opener being the next token;

@@ -184,8 +184,10 @@ def class_count_note(data, classes, data_name):
     """A warning when the data have fewer classes than the model has outputs (more are refused
     when the data are loaded)."""
     if data.classes < classes:
-        return (f"warning: --data {data_name} has {data.classes} classes, the model predicts {classes}: "
-                f"{classes - data.classes} outputs are never a label (use a model with {data.classes} outputs)")
+        noun = "class" if data.classes == 1 else "classes"
+        return (f"warning: --data {data_name} has {data.classes} {noun}, the model predicts {classes}: "
+                f"{classes - data.classes} outputs are never a label "
+                f"(use a model with {_count(data.classes, 'output')})")
     return None
 
 
@@ -337,7 +339,8 @@ def check_output_paths(args):
         if os.path.isdir(path):
             raise MinigistError(f"{flag}: {path} is a folder; give a file name")
         if not os.path.isdir(folder):
-            raise MinigistError(f"{flag}: cannot write {path}: the folder {folder} does not exist")
+            what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+            raise MinigistError(f"{flag}: cannot write {path}: {folder} {what}")
         _probe_writable(flag, path)
         if flag == "--plot" and not path.lower().endswith(".png"):
             raise MinigistError(f"{flag}: {path}: the plot is written as PNG; give a name ending in .png")
@@ -747,6 +750,10 @@ class Trainer:
             raise MinigistError(f"--data: {args.data} leaves no training images after the held-out split")
         if args.crop_pad is None:
             args.crop_pad = data.crop_pad_default
+        side = min(graph.input_shape[-2:])
+        if args.crop_pad > side:
+            raise MinigistError(f"--crop-pad: {args.crop_pad} pixels is more than the input's {side}: "
+                                f"a crop shifted that far holds no image")
         flip = data.flip_default if args.flip == "auto" else args.flip == "on"
         args.flip = "on" if flip else "off"
         names = _output_names(net)
@@ -820,6 +827,9 @@ class Trainer:
         schedule += f", warm-up {args.warmup} iterations" if args.warmup else ""
         out(f"data {data.describe()}; crop pad {args.crop_pad}, flip {args.flip}; {total} iterations "
             f"({ipe} per epoch), lr {args.lr:g}{schedule}")
+        if resumed is not None and iteration >= total:
+            out(f"the checkpoint holds iteration {iteration} of {total}: nothing is left to train "
+                f"(a larger --epochs or --iters continues it)")
 
         log = Log(args.log if self.root else None, append=resumed is not None)
         log.write("start", config=config, resumed_at=iteration, data=data.describe(),

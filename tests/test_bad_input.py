@@ -453,7 +453,8 @@ def test_a_pickled_file_is_no_checkpoint_and_gets_no_advice_to_unpickle(tmp_path
     (folder / CHECKPOINT_NAME).write_bytes(b"garbage\n")      # numpy takes any other file for a pickle
     with pytest.raises(MinigistError) as error:
         read_checkpoint(str(folder))
-    assert "which is never done" in str(error.value) and "allow_pickle" not in str(error.value)
+    assert "is not an .npz file (it does not begin as a zip archive does)" in str(error.value)
+    assert "unpickle" not in str(error.value)
 
 
 def test_a_dpr_format_without_a_lossy_mode_is_named():
@@ -461,3 +462,65 @@ def test_a_dpr_format_without_a_lossy_mode_is_named():
     assert result.returncode == 0 and "note: --dpr fp8-e5m2 changes nothing under --gist lossless" in result.stdout
     result = run_cli("--plan-only", "--model", "vgg_small", "--gist", "all", "--dpr", "fp8-e5m2")
     assert result.returncode == 0 and "note: --dpr" not in result.stdout
+
+
+# ---- a second new user's trial ---------------------------------------------------------------
+@pytest.mark.parametrize("argv, words", [
+    (["--batch-size", "99999999999999999999"], "at most 4,294,967,295"),     # was an OverflowError
+    (["--batch-size", str(2**50)], "at most 4,294,967,295"),                  # was minutes of factoring
+    (["--input-size", str(2**32)], "at most 4,294,967,295"),
+    (["--seed", str(2**64)], "at most 18,446,744,073,709,551,615"),
+    (["--shard", "weights"], "give --ranks N"),          # a plan for one process shards nothing
+])
+def test_plan_only_flags_beyond_what_a_plan_means_are_one_line(argv, words):
+    result = run_cli("--plan-only", "--model", "vgg_small", *argv)
+    one_line_error(result, argv[0], words)
+
+
+def test_the_largest_batch_and_seed_still_plan():
+    result = run_cli("--plan-only", "--model", "vgg_small", "--batch-size", 2**32 - 1, "--seed", 2**64 - 1,
+                     "--conv", "im2col", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "batch 4294967295" in result.stdout
+
+
+def test_a_convolution_onednn_cannot_make_is_one_line_naming_the_layer(tmp_path):
+    from minigist import onednn
+    if not onednn.available():
+        pytest.skip("oneDNN is not installed")
+    model = tmp_path / "wide.prototxt"
+    model.write_text('name: "wide"\n'
+                     'layer { name: "data" type: "Input" top: "data" top: "label"\n'
+                     '        input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } shape { dim: 2 } } }\n'
+                     'layer { name: "wide" type: "Convolution" bottom: "data" top: "wide"\n'
+                     '        convolution_param { num_output: 4294967295 kernel_size: 3 } }\n'
+                     'layer { name: "pool" type: "Pooling" bottom: "wide" top: "pool"\n'
+                     '        pooling_param { pool: AVE global_pooling: true } }\n'
+                     'layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip"\n'
+                     '        inner_product_param { num_output: 2 } }\n'
+                     'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
+    one_line_error(run_cli("--plan-only", "--model", model, "--conv", "onednn"), "layer 'wide'",
+                   "oneDNN cannot make this convolution", "--conv im2col")
+
+
+def test_an_output_path_under_a_file_says_it_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    one_line_error(run_cli("--plan-only", "--model", "vgg_small", "--plot", tmp_path / "afile" / "x.png"),
+                   "--plot", "afile is a file, not a folder")
+
+
+def test_one_class_is_named_in_the_singular():
+    data = type("Data", (), {"classes": 1})()
+    from minigist.trainer import class_count_note
+    assert class_count_note(data, 10, "d") == ("warning: --data d has 1 class, the model predicts 10: 9 outputs "
+                                               "are never a label (use a model with 1 output)")
+
+
+def test_resuming_a_finished_run_says_nothing_is_left(checkpoint_file, tmp_path):
+    path, data = checkpoint_file
+    folder = tmp_path / "finished"
+    folder.mkdir()
+    (folder / CHECKPOINT_NAME).write_bytes(data)
+    result = run_cli("--checkpoint", folder, "--resume")           # the run's own 2 iterations
+    assert result.returncode == 0, result.stderr
+    assert "the checkpoint holds iteration 2 of 2: nothing is left to train" in result.stdout

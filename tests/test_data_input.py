@@ -302,3 +302,27 @@ def test_lenet_trains_on_mnist5k_with_its_own_test_batch():
     assert result.returncode == 0, result.stderr
     assert "431,080 parameters, batch (64, 1, 28, 28)" in result.stdout
     assert "held-out accuracy" in result.stdout
+
+
+def padded_crop(images, pad, dy, dx):
+    """The random crop as its definition says: a window of the zero-padded image."""
+    n, c, h, w = images.shape
+    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=images.dtype)
+    padded[:, :, pad:pad + h, pad:pad + w] = images
+    return np.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+
+
+@pytest.mark.parametrize("pad", [1, 4, 7, 8])
+def test_random_crop_is_a_window_of_the_padded_image(pad):
+    images = np.random.default_rng(pad).integers(1, 256, size=(64, 3, 8, 7), dtype=np.uint8)
+    draws = np.random.default_rng(5)
+    dy, dx = draws.integers(0, 2 * pad + 1, size=64), draws.integers(0, 2 * pad + 1, size=64)
+    got = datasets.random_crop(images, pad, np.random.default_rng(5))
+    assert np.array_equal(got, padded_crop(images, pad, dy, dx))
+    part = slice(16, 40)          # a rank's part: the offsets drawn for the whole batch
+    got = datasets.random_crop(images[part], pad, np.random.default_rng(5), drawn=64, part=part)
+    assert np.array_equal(got, padded_crop(images[part], pad, dy[part], dx[part]))
+
+
+def test_a_crop_pad_beyond_the_image_is_one_line():
+    one_line_error(run_cli("--crop-pad", 100000, "--iters", 1), "--crop-pad", "100000", "32")

@@ -173,7 +173,8 @@ def test_repeated_fields_keep_file_order_and_lines():
 
 def test_list_syntax():
     assert parse("dim: [1, 2, 3]", root="BlobShape").all("dim") == [1, 2, 3]
-    assert parse("dim [4]", root="BlobShape").all("dim") == [4]
+    # a block's ':' is optional
+    assert parse("shape [{ dim: 4 }]", root="InputParameter").get("shape").all("dim") == [4]
     assert parse("dim: []", root="BlobShape").all("dim") == []
     assert parse("dim: 1 dim: [2, 3] dim: 4", root="BlobShape").all("dim") == [1, 2, 3, 4]
     multi = parse("dim: [\n  10,\n  3,\n]\n", root="BlobShape")
@@ -1057,3 +1058,17 @@ def test_add_loss_feeds_the_label_of_a_data_layer_that_has_one():
     assert graph.node_of("loss").bottoms == ["pool4", "label"]
     assert graph.added_loss == ("SoftmaxWithLoss 'loss' on 'pool4', the output of the last layer 'pool4', "
                                 "with the label 'label' of the data layer")
+
+
+@pytest.mark.parametrize("text, line", [("dim 3", 1), ("dim: 1\ndim [4]", 2), ("dim []", 1)])
+def test_a_value_that_is_no_block_needs_its_colon_as_in_protobuf(text, line):
+    """protobuf's text parser (and so Caffe) requires `name: value` unless the value is a
+    block; a file that Caffe cannot read is refused here too, at its line."""
+    with pytest.raises(ModelFileError, match=r"field 'dim' needs a ':' before its value") as info:
+        parse(text, root="BlobShape")
+    assert info.value.line == line
+
+
+def test_an_opaque_messages_scalars_need_their_colon_too():
+    with pytest.raises(ModelFileError, match="field 'module' needs a ':'"):
+        parse('name: "py" type: "Python" python_param { module "my_layers" }', root="LayerParameter")

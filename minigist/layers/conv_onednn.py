@@ -47,10 +47,15 @@ class OneDNNEngine:
             if np.dtype(layer.dtype) != np.float32:
                 layer.fail(f"--conv onednn runs float32 only, not {np.dtype(layer.dtype).name}")
             self.samples = self.samples_per_call()
-            self._primitives = onednn.ConvPrimitives(
-                (self.samples,) + tuple(layer.in_shape[1:]), layer.num_output, layer.group, layer.kernel,
-                layer.stride, layer.pad, layer.dilation, layer.out_hw, layer.bias_term,
-                bias_grad=layer.bias_term and layer.params[0].trained and layer.params[1].trained)
+            try:
+                self._primitives = onednn.ConvPrimitives(
+                    (self.samples,) + tuple(layer.in_shape[1:]), layer.num_output, layer.group, layer.kernel,
+                    layer.stride, layer.pad, layer.dilation, layer.out_hw, layer.bias_term,
+                    bias_grad=layer.bias_term and layer.params[0].trained and layer.params[1].trained)
+            except onednn.OneDNNError as exc:
+                # oneDNN refuses what it cannot index (4,294,967,295 outputs, say): the layer
+                # and the engine that would take it are the user's to change
+                layer.fail(f"oneDNN cannot make this convolution ({exc}); --conv im2col plans it")
         return self._primitives
 
     def inplace_safe(self):
