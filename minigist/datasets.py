@@ -154,7 +154,8 @@ def random_crop(images, pad, rng, drawn=None, part=slice(None)):
     # never built (its size grows with the square of `pad`)
     out = np.zeros_like(images)
     for i in range(n):
-        sy, sx = int(dy[i]) - pad, int(dx[i]) - pad      # source row/column of the crop's first one
+        # the crop's first row and column in the image's coordinates (negative: in the padding)
+        sy, sx = int(dy[i]) - pad, int(dx[i]) - pad
         y0, y1 = max(0, -sy), min(h, h - sy)
         x0, x1 = max(0, -sx), min(w, w - sx)
         if y0 < y1 and x0 < x1:

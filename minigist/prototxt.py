@@ -192,7 +192,7 @@ class _Parser:
 
     def need_colon(self, colon, name, line):
         """Protobuf's text format, and so Caffe, reads `name: value` for a value that is no
-        block: without the colon it stops at the file."""
+        block (the colon is optional before a block only): Caffe refuses a file without it."""
         if not colon:
             self.fail(line, f"field '{name}' needs a ':' before its value ({name}: ...)")
 
