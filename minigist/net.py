@@ -63,6 +63,10 @@ from .sgd import SGD
 # threads oneDNN's per-thread split of a 32-image batch gains little while a shared machine's
 # other work loses its cores
 MAX_DEFAULT_THREADS = 8
+# the most threads a step runs on: a run on 100,000 OpenMP threads ended in a segmentation
+# fault as they started, one on 4,096 had not finished a step after 2 minutes on 2 cores (a
+# plan from shapes alone takes any count: the workspaces grow with it, nothing starts)
+MAX_THREADS = 1024
 PHASES = {"train": "TRAIN", "eval": "TEST"}     # the programs a Net runs, and their phases
 
 
@@ -584,4 +588,6 @@ def default_threads(conv):
 def _thread_count(threads):
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
         raise MinigistError(f"--threads: expected a positive integer, got {threads!r}")
+    if threads > MAX_THREADS:
+        raise MinigistError(f"--threads: a step runs on at most {MAX_THREADS:,} threads, got {int(threads):,}")
     return int(threads)

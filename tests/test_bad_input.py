@@ -524,3 +524,14 @@ def test_resuming_a_finished_run_says_nothing_is_left(checkpoint_file, tmp_path)
     result = run_cli("--checkpoint", folder, "--resume")           # the run's own 2 iterations
     assert result.returncode == 0, result.stderr
     assert "the checkpoint holds iteration 2 of 2: nothing is left to train" in result.stdout
+
+
+def test_a_run_on_more_threads_than_openmp_can_start_is_one_line(tiny):
+    """100,000 OpenMP threads ended in a segmentation fault as they started; a plan from
+    shapes alone still takes the count (its workspaces grow with it)."""
+    one_line_error(run_cli("--model", tiny, *SYNTH, "--iters", 1, "--threads", 100000), "--threads",
+                   "at most 1,024 threads", "100,000")
+    with pytest.raises(MinigistError, match="at most 1,024 threads, got 1,025"):
+        minigist.Net(tiny, batch_size=2, threads=1025)
+    planned = run_cli("--plan-only", "--model", tiny, "--threads", 100000)
+    assert planned.returncode == 0, planned.stderr
