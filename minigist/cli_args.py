@@ -1,6 +1,7 @@
 """The command line's value parsers (argparse `type=` functions), its one-line error parser,
 and the checks that hold a checkpoint's recorded configuration to the same flags' rules."""
 import argparse
+import decimal
 import math
 import re
 
@@ -69,8 +70,9 @@ def byte_size(text):
     match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MB or 1e9, got {text!r}")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not math.isfinite(value):
+    # decimal arithmetic: '1e30' is 10**30 bytes, not the float nearest it
+    value = decimal.Decimal(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(float(value)):
         raise argparse.ArgumentTypeError(f"{text!r} is too large to be a size")
     if value < 1:
         raise argparse.ArgumentTypeError(f"a memory budget must be positive (at least 1 byte), got {text!r}")

@@ -33,6 +33,7 @@ process's own settings are put back after it. With im2col that is numpy's BLAS t
 with oneDNN it is oneDNN's OpenMP threads and the codec kernels', while BLAS runs on one.
 """
 import contextlib
+import inspect
 import os
 
 import numpy as np
@@ -90,6 +91,11 @@ class Net:
             budget=memory_budget, densities=ssdc_density, add_loss=add_loss, recompute=recompute, ranks=ranks,
             shard=shard, bucket_bytes=bucket_bytes))
         if plan is not None:    # minigist.optimize's plan: its settings and decisions win
+            if not hasattr(plan, "options"):
+                raise MinigistError(f"plan: expected what minigist.optimize returns, got {plan!r}")
+            given = dict(batch_size=batch_size, input_size=input_size, input_channels=input_channels, conv=conv,
+                         alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, update=update, add_loss=add_loss)
+            _refuse_plan_conflicts(plan.options, given)
             self.options = plan.options.replace(device=device, dtype=dtype, budget=memory_budget)
         self.optimized = plan if hasattr(plan, "decisions") else None
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
@@ -583,6 +589,17 @@ def default_threads(conv):
     if conv == "onednn":
         return _env_count("OMP_NUM_THREADS") or min(usable_cpus(), MAX_DEFAULT_THREADS)
     return _env_count("OPENBLAS_NUM_THREADS") or 1
+
+
+def _refuse_plan_conflicts(options, given):
+    """A setting given beside a plan that differs from the plan's own would be silently
+    overruled by it (a batch of 8 against a plan for 32 failed only at the first step)."""
+    defaults = inspect.signature(Net.__init__).parameters
+    for name, value in given.items():
+        planned = getattr(options, name)
+        if value != defaults[name].default and value != planned:
+            raise MinigistError(f"plan: it was made for {name}={planned!r}, not {name}={value!r}; leave {name} "
+                                f"out (the plan's settings apply) or optimize for {name}={value!r}")
 
 
 def _thread_count(threads):

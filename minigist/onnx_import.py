@@ -61,9 +61,12 @@ def load_model(path):
     if not os.path.isfile(path):
         raise ModelFileError(path, 0, "file not found")
     try:
-        return onnx.load(path)
+        model = onnx.load(path)
     except Exception as exc:    # protobuf's DecodeError, a missing external data file, ...
         raise ModelFileError(path, 0, f"not a readable ONNX model: {' '.join(str(exc).split()) or type(exc).__name__}") from None
+    if not model.HasField("graph"):     # protobuf reads an empty file as an empty ModelProto
+        raise ModelFileError(path, 0, "not an ONNX model: it holds no graph (an empty or foreign file)")
+    return model
 
 
 def opset_of(model):

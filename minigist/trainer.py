@@ -328,7 +328,10 @@ def _probe_writable(flag, path):
 
 def check_output_paths(args):
     """Every file the run will write, checked before anything runs: its folder exists, it is
-    not a folder itself, and it can be written."""
+    not a folder itself, and it can be written (and --log is refused where nothing trains)."""
+    if args.log is not None and (args.plan_only or args.summary):
+        raise MinigistError(f"--log: the metrics of a training run; {'--plan-only' if args.plan_only else '--summary'} "
+                            f"trains nothing (--report-json writes the plan)")
     for flag, path in (("--report-json", args.report_json), ("--plot", args.plot), ("--trace", args.trace),
                        ("--log", args.log)):
         if path is None:

@@ -535,3 +535,27 @@ def test_a_run_on_more_threads_than_openmp_can_start_is_one_line(tiny):
         minigist.Net(tiny, batch_size=2, threads=1025)
     planned = run_cli("--plan-only", "--model", tiny, "--threads", 100000)
     assert planned.returncode == 0, planned.stderr
+
+
+# ---- a third trial: the optimizer's and ONNX's paths -------------------------------------------
+@pytest.mark.parametrize("argv, flag, words", [
+    (["--optimize", "--report-json", "fr.json"], "--report-json", "prints the frontier and writes no report"),
+    (["--optimize", "--trace", "fr.json"], "--trace", "prints the frontier and writes no trace"),
+    (["--log", "x.log"], "--log", "--plan-only trains nothing"),
+])
+def test_plan_only_outputs_that_would_not_be_written_are_refused(argv, flag, words, tmp_path):
+    argv = [str(tmp_path / a) if a.endswith((".json", ".log")) else a for a in argv]
+    result = run_cli("--plan-only", "--model", "resnet20", *argv)
+    one_line_error(result, flag, words)
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_empty_onnx_file_is_named_as_no_model(tmp_path):
+    pytest.importorskip("onnx")
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    one_line_error(run_cli("--model", empty, "--add-loss", "--plan-only"), "empty.onnx", "holds no graph")
+
+
+def test_a_size_in_scientific_notation_is_exact():
+    assert byte_size("1e30") == 10**30 and byte_size("2.5e3KiB") == 2_560_000

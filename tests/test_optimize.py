@@ -330,3 +330,29 @@ def test_the_measured_cost_model_times_every_program_it_chooses_from(tiny):
     assert {"forward", "backward", "encode", "decode"} <= kinds
     chunks = {key[3] for key in measured.seconds if len(key) == 4}
     assert SMALL_CHUNK_BYTES in chunks and len(chunks) > 1
+
+
+@pytest.mark.parametrize("budget, words", [("abc", "expected a size such as"), (float("nan"), "not nan"),
+                                           (-1, "not -1"), (0, "not 0"), (2.5, "not 2.5"), (True, "not True")])
+def test_a_library_budget_is_checked_as_the_flag_is(budget, words):
+    with pytest.raises(MinigistError, match="budget: .*" + words):
+        minigist.optimize(model("resnet20"), budget, batch_size=BATCH, cost_model=COST)
+
+
+def test_a_size_string_is_a_budget_as_on_the_command_line():
+    by_size = minigist.optimize(model("resnet20"), "9.2MB", batch_size=BATCH, cost_model=COST)
+    by_bytes = minigist.optimize(model("resnet20"), 9_200_000, batch_size=BATCH, cost_model=COST)
+    assert by_size.footprint_bytes == by_bytes.footprint_bytes <= 9_200_000
+
+
+def test_settings_that_conflict_with_a_plan_are_refused():
+    """They used to be overruled silently: a batch of 8 beside a plan for 16 failed only at
+    the first step."""
+    plan = minigist.optimize(model("resnet20"), 9_200_000, batch_size=BATCH, cost_model=COST)
+    for conflict in ({"batch_size": BATCH // 2}, {"conv": "onednn"}, {"gist": "all"}, {"alloc": "dynamic"}):
+        name = next(iter(conflict))
+        with pytest.raises(MinigistError, match=f"plan: it was made for {name}="):
+            minigist.Net(model("resnet20"), plan=plan, **conflict)
+    minigist.Net(model("resnet20"), plan=plan, batch_size=BATCH)        # the plan's own value is no conflict
+    with pytest.raises(MinigistError, match="plan: expected what minigist.optimize returns"):
+        minigist.Net(model("resnet20"), plan="plan.json")
