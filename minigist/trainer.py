@@ -835,7 +835,8 @@ class Trainer:
                 f"(a larger --epochs or --iters continues it)")
 
         log = Log(args.log if self.root else None, append=resumed is not None)
-        log.write("start", config=config, resumed_at=iteration, data=data.describe(),
+        resumed_at = iteration
+        log.write("start", config=config, resumed_at=resumed_at, data=data.describe(),
                   footprint_bytes=report["footprint_bytes"])
         progress = Progress(out, stream=None if self.root else io.StringIO())
         ckpt_info = {"path": None, "iteration": None}
@@ -952,7 +953,8 @@ class Trainer:
                               "train_images_per_s": round(train_images / max(train_seconds, 1e-9), 2),
                               "heldout": last_eval, "data": data.describe()}
         out("")
-        out(f"done: {iteration} iterations ({iteration / ipe:.2f} epochs) in {elapsed:.1f} s this run, "
+        resumed_words = f"; resumed at {resumed_at}" if resumed_at else ""
+        out(f"done: {iteration} iterations ({iteration / ipe:.2f} epochs{resumed_words}) in {elapsed:.1f} s this run, "
             f"{train_images / max(train_seconds, 1e-9):,.1f} training images/s")
         if last_eval and "accuracy" in last_eval:
             out(f"held-out accuracy {last_eval['accuracy']:.4f} ({last_eval['correct']}/{last_eval['samples']}), "

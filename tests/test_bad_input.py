@@ -524,6 +524,7 @@ def test_resuming_a_finished_run_says_nothing_is_left(checkpoint_file, tmp_path)
     result = run_cli("--checkpoint", folder, "--resume")           # the run's own 2 iterations
     assert result.returncode == 0, result.stderr
     assert "the checkpoint holds iteration 2 of 2: nothing is left to train" in result.stdout
+    assert "done: 2 iterations (" in result.stdout and "; resumed at 2) in " in result.stdout
 
 
 def test_a_run_on_more_threads_than_openmp_can_start_is_one_line(tiny):
