@@ -24,17 +24,10 @@ import tempfile
 import time
 
 import load
+from suite_time import ISAS, isa_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ISAS = ("native", "avx2")
 TARGET_SECONDS, TARGET_ACCURACY = 90.0, 0.97
-
-
-def isa_environment(isa):
-    if isa == "native":
-        return {}
-    from minigist import jit
-    return jit.avx2_environment()
 
 
 def first_run(isa, extra, cache_dir):

@@ -33,11 +33,10 @@ def check_args(args):
     if (getattr(args, "ranks", None) or 1) > 1:
         raise MinigistError("--optimize plans one process's program, not a rank's share of a data-parallel batch")
     if args.plan_only and args.memory_budget is None:
-        for flag, path in (("--report-json", args.report_json), ("--trace", args.trace)):
+        for flag, path, what in (("--report-json", args.report_json, "report"), ("--trace", args.trace, "trace")):
             if path is not None:
                 raise MinigistError(f"{flag}: --optimize without --memory-budget prints the frontier and writes no "
-                                    f"{'report' if flag == '--report-json' else 'trace'}; give --memory-budget for "
-                                    f"a plan's (--plot draws the frontier)")
+                                    f"{what}; give --memory-budget for a plan's (--plot draws the frontier)")
 
 
 def _mib(nbytes):
