@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -61,3 +62,29 @@ def test_without_a_gpu_the_real_run_says_so(tmp_path):
     result = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path)], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert result.returncode == 2 and "--dry-run" in result.stderr
+
+
+def test_ssdc_decode_workspace_holds_the_gpu_row_offsets_of_a_tensor_wider_than_its_chunk():
+    # ResNet-50 at batch 64 stashes 64x256x56x56 ReLU outputs for SSDC: 200,704 rows of 256
+    # against a default chunk whose int64 index holds 131,072 int32
+    from minigist.codecs.ssdc import ROW, SSDC
+    shape = (64, 256, 56, 56)
+    decl = SSDC(1000).workspace(shape, "decode")["index"]
+    rows = -(-int(np.prod(shape)) // ROW)
+    assert 2 * decl.shape[0] >= rows + 1
+    from minigist.codecs.bits import CHUNK
+    small = SSDC(1000).workspace((8, 64, 32, 32), "decode")["index"]
+    assert small.shape == (CHUNK,)      # unchanged where the chunk's room suffices
+
+
+def test_the_gpu_profile_times_every_step_where_no_gpu_is(tmp_path):
+    model = tmp_path / "tiny.prototxt"
+    model.write_text(NO_DROPOUT)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_profile.py"), "--device", "cpu",
+                             "--models", str(model), "--gist", "none,all", "--batch-size", "4", "--repeats", "2",
+                             "--top", "3", "--host-profile", "5"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    heads = [line for line in result.stdout.splitlines() if not line.startswith(" ")]
+    assert [h.split(":")[0] for h in heads] == [f"{model} none batch 4", f"{model} all batch 4"]
+    assert all(" steps" in h and "device" in h for h in heads)
+    assert "tottime" in result.stdout and "encode" in result.stdout

@@ -13,8 +13,8 @@ written as it finishes to DIR/NN-name.json (DIR: --out, else $OUT, else gpu-chec
  4. layer-kernels: the MAX pooling, ReLU, BatchNorm and Scale kernels against their numpy code;
  5. dropout: the kept fraction, and the mask against its stream computed in numpy;
  6. training: vgg_small, resnet20, inception_small, 5 steps on the CPU and on the GPU under
-    none, lossless, lossy, all: losses within 1e-5 relative; lossless bit for bit like none
-    on the GPU;
+    none, lossless, lossy, all: the first loss within 1e-5 relative, every later one within
+    1e-3; lossless bit for bit like none on the GPU;
  7. checkpoint: weights trained on the GPU, saved, loaded on the CPU: the same evaluation;
  8. pool-peak: the bytes CuPy's pool holds beyond the arena during a step
     (cupy.cuda.MemoryHook), against the plan: arena + peak <= plan + 1%;
@@ -45,6 +45,11 @@ from minigist.gpu import check, cuda_source, kernels as gpu_kernels  # noqa: E40
 
 MODELS = ("vgg_small", "resnet20", "inception_small")
 MODES = ("none", "lossless", "lossy", "all")
+# The first loss is the forward pass alone: only float32 summation order separates the devices.
+# Each SGD update feeds that difference back into the weights and the steps after it amplify it
+# (resnet20 on an H200: 5e-7 at step 2, 5e-5 at step 4), so later losses are held to 1e-3.
+FIRST_STEP_TOLERANCE = 1e-5
+LATER_STEPS_TOLERANCE = 1e-3
 
 
 class Sections:
@@ -167,7 +172,9 @@ def main(argv=None):
     def training():
         results = [check.train_cpu_and_gpu(model, steps=steps, batch_size=batch, modes=MODES[:2] if dry else MODES,
                                            device=device) for model in models]
-        ok = all(r["worst_relative_difference"] <= 1e-5 and r["lossless_bit_identical_on_gpu"] for r in results)
+        ok = all(r["first_relative_difference"] <= FIRST_STEP_TOLERANCE
+                 and r["worst_relative_difference"] <= LATER_STEPS_TOLERANCE
+                 and r["lossless_bit_identical_on_gpu"] for r in results)
         return ok, results
     sections.run("training", training)
 

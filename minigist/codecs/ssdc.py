@@ -70,7 +70,7 @@ class SSDC(Codec):
 
     encoded(shape): {"data": uint32[words]} as laid out in the module docstring.
     workspace: encode {"words": uint64[ceil(min(n, chunk)/8)]}, decode the same plus
-    {"index": int64[min(n, chunk)]}; with DPR values also {"stage": float32[min(n, chunk)+2]}
+    {"index": int64[max(min(n, chunk), ceil((ceil(n/256) + 1)/2))]}; with DPR values also {"stage": float32[min(n, chunk)+2]}
     and the DPR workspace for that many values (names prefixed "dpr_").
     chunk: elements per step (default CHUNK, a multiple of 256; on a GPU pass a large one).
     """
@@ -145,7 +145,10 @@ class SSDC(Codec):
         m = min(nelements(shape), self.chunk)
         ws = {"words": TensorDecl(((m + 7) // 8,), np.uint64)}
         if phase == "decode":
-            ws["index"] = TensorDecl((m,), np.int64)
+            # the GPU's bitmap decode reads "index" as int32 row offsets, one per 256-element
+            # row of the whole tensor plus one: more than m int64 hold once n > 512 * chunk
+            rows = -(-nelements(shape) // ROW)
+            ws["index"] = TensorDecl((max(m, -(-(rows + 1) // 2)),), np.int64)
         if self.dpr is not None:
             ws["stage"] = TensorDecl((m + 2,), np.float32)
             for k, decl in self.dpr.flat_workspace(m + 2, phase).items():
