@@ -3,6 +3,7 @@ and the checks that hold a checkpoint's recorded configuration to the same flags
 import argparse
 import decimal
 import math
+import numbers
 import re
 
 
@@ -79,6 +80,23 @@ def byte_size(text):
     if not match.group(2) and value != int(value):
         raise argparse.ArgumentTypeError(f"a size without a unit counts bytes, a whole number of them; got {text!r}")
     return int(value)     # with a unit, what rounds to a fraction of a byte is rounded down
+
+
+def budget_bytes(budget):
+    """A memory budget in bytes, as the library takes it: None, a positive whole number of
+    bytes, or a size string such as "40MiB" (read as --memory-budget reads it)."""
+    from .errors import MinigistError
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        try:
+            return byte_size(budget)
+        except argparse.ArgumentTypeError as exc:
+            raise MinigistError(f"budget: {exc}") from None
+    whole = isinstance(budget, numbers.Integral) or (isinstance(budget, float) and budget.is_integer())
+    if isinstance(budget, bool) or not whole or budget < 1:
+        raise MinigistError(f"budget: a positive whole number of bytes or a size such as '40MiB', not {budget!r}")
+    return int(budget)
 
 
 def join_negative_sizes(argv):

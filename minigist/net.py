@@ -40,6 +40,7 @@ import numpy as np
 
 from . import blas
 from .backend import get_xp, is_gpu, to_numpy
+from .cli_args import budget_bytes
 from .checkpoint import read_npz, save_npz_atomic, with_digest
 from .errors import MinigistError
 from .layers.loss import check_labels
@@ -78,6 +79,7 @@ class Net:
                  conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(), comm=None,
                  shard="none", bucket_bytes=DEFAULT_BUCKET_BYTES, initializers=True, plan=None):
         self.comm = comm
+        memory_budget = budget_bytes(memory_budget)
         ranks = comm.size if comm is not None else 1
         if shard != "none" and comm is None:
             raise MinigistError(f"--shard {shard}: sharding splits the state among ranks; it needs a communicator "
@@ -172,7 +174,7 @@ class Net:
         raises MemoryBudgetError if the plan does not fit (static / none), or limits the pool
         (dynamic). Weights and momentum are kept. train.py sets its budget this way after
         calibration, so that the plan it checks is the one SSDC's measured densities give."""
-        self.options = self.options.replace(budget=budget)
+        self.options = self.options.replace(budget=budget_bytes(budget))
         self._build()
 
     def apply_plan(self, plan):

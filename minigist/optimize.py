@@ -41,12 +41,11 @@ Lower bounds: `floor()` (the most bytes one step needs whatever is chosen) and
 `overhead_floor(budget)` (the least predicted overhead any plan within a budget needs, from one
 step at a time) bound every plan from below; the README's frontier table gives the first.
 """
-import argparse
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cli_args import byte_size
+from .cli_args import budget_bytes
 from .errors import MinigistError
 from .memory import align
 from .memory.report import footprint_report, live_by_step
@@ -960,22 +959,6 @@ def dominated_by(plan):
     return f"its peak (at {report['peak_step_label']}) holds {listed}"
 
 
-def _budget_bytes(budget):
-    """A budget in bytes: None, a positive integer, or a size such as "40MiB" (as train.py's
-    --memory-budget reads it)."""
-    if budget is None:
-        return None
-    if isinstance(budget, str):
-        try:
-            return byte_size(budget)
-        except argparse.ArgumentTypeError as exc:
-            raise MinigistError(f"budget: {exc}") from None
-    whole = isinstance(budget, (int, np.integer)) or (isinstance(budget, float) and budget.is_integer())
-    if isinstance(budget, bool) or not whole or budget < 1:
-        raise MinigistError(f"budget: a positive whole number of bytes or a size such as '40MiB', not {budget!r}")
-    return int(budget)
-
-
 def optimize(model, budget=None, batch_size=None, input_size=None, gist="lossless", dpr="fp16", densities=None,
              update="fused", conv="im2col", cost_model=None, options=None, max_overhead=None):
     """The plan that fits `budget` bytes at the least predicted step time (None: the smallest
@@ -985,7 +968,7 @@ def optimize(model, budget=None, batch_size=None, input_size=None, gist="lossles
     the FLOP model at the reference rates, costmodel.reference_model). Net(model, plan=...)
     trains with it."""
     from .costmodel import reference_model
-    budget = _budget_bytes(budget)
+    budget = budget_bytes(budget)
     if gist not in ("lossless", "all"):
         raise MinigistError(f"--gist: the optimizer chooses with lossless or all, not {gist!r}")
     if options is None:

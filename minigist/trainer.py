@@ -880,6 +880,9 @@ class Trainer:
         epoch_losses, epoch_images, epoch_seconds = (resumed_losses if resumed is not None else []), 0, 0.0
         last_eval = None
         train_sample = data.train_sample(args.train_eval_size) if args.train_eval_size else None
+        if args.train_eval_size and args.train_eval_size > len(data.train.labels):
+            out(f"training accuracy: on all {len(data.train.labels):,} training images (--train-eval-size "
+                f"{args.train_eval_size:,} asks for more than the training split holds)")
         eval_batch = net.graphs["TEST"].batch_size     # a Caffe file's TEST data layer may give its own
         while iteration < total:
             if batch_in_epoch == 0:

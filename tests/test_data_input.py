@@ -268,6 +268,15 @@ def test_train_py_measures_train_accuracy_on_the_sample(monkeypatch):
     assert len(seen) == 1 and np.all(seen[0] >= 8)      # all ten digits, about 10 each
 
 
+@pytest.mark.slow
+def test_a_train_accuracy_sample_larger_than_the_split_says_it_takes_all(capsys):
+    code = train.main(["--model", "resnet20", "--iters", "1", "--gist", "none", "--train-eval-size", "5000",
+                       "--batch-size", "4", "--holdout", "0.5", "--eval-every", "0"])
+    assert code == 0
+    assert ("training accuracy: on all 2,500 training images (--train-eval-size 5,000 asks for more than the "
+            "training split holds)") in capsys.readouterr().out
+
+
 def test_warm_up_schedule():
     args = train.make_parser().parse_args(["--lr", "0.01", "--warmup", "4", "--lr-step", "1", "--lr-gamma", "0.5"])
     rates = [trainer.lr_at(args, i, 5) for i in range(7)]

@@ -664,6 +664,12 @@ def test_evaluation_runs_at_the_test_batch_counting_a_padded_last_batch_exactly(
     with pytest.raises(minigist.errors.MemoryBudgetError, match="budget"):
         minigist.Net(str(path), alloc="static", conv="im2col", memory_budget=net.arena_bytes - 1)
     assert report["footprint_bytes"] < net.arena_bytes - 1
+    # the library reads a size string as --memory-budget does, and refuses what is no size
+    sized = minigist.Net(str(path), alloc="static", conv="im2col", memory_budget=f"{net.arena_bytes}B")
+    assert sized.memory_budget == net.arena_bytes
+    for bad in ("lots", -1, 2.5, True):
+        with pytest.raises(minigist.errors.MinigistError, match="budget"):
+            minigist.Net(str(path), alloc="static", conv="im2col", memory_budget=bad)
     # --batch-size sets both phases, as Caffe's own batch override would
     both = minigist.plan_footprint(str(path), batch_size=5, alloc="static", conv="im2col")
     assert both["evaluation"]["batch_size"] == both["batch_size"] == 5
