@@ -86,5 +86,6 @@ def test_the_gpu_profile_times_every_step_where_no_gpu_is(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     heads = [line for line in result.stdout.splitlines() if not line.startswith(" ")]
     assert [h.split(":")[0] for h in heads] == [f"{model} none batch 4", f"{model} all batch 4"]
-    assert all(" steps" in h and "device" in h for h in heads)
-    assert "tottime" in result.stdout and "encode" in result.stdout
+    steps = [int(h.rsplit(",", 1)[1].split()[0]) for h in heads]
+    assert steps[1] > steps[0]        # Gist's encode and decode steps
+    assert "tottime" in result.stdout

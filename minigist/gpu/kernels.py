@@ -300,3 +300,81 @@ def dropout_forward(xp, x, y, mask, ratio, scale, rng):
     _launch(xp, "dropout_forward", n, (x, y, mask, _i64(n), np.uint64(rng.seed), np.uint64(position),
                                        np.uint32(threshold), np.float32(scale)), [y, mask], [x],
             (_dropout_reference, (x, y, mask, rng.seed, position, threshold, scale)))
+
+
+# ---- strided batched GEMM (layers/gemm.py) -----------------------------------------------------
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)     # alpha and beta, host pointers
+_strided_checked = {}      # device id -> whether cuBLAS's strided batched GEMM gave matmul's values
+
+
+def _cublas(xp):
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:
+        cublas = xp.cuda.cublas
+    return cublas
+
+
+def strided_gemm(xp, a, b, out, batch):
+    """out[j] = a[j] @ b[j] for the `count` matrices of `batch` = (count, stride of a, of b, of
+    out, in elements: 0 where an operand is broadcast), one cuBLAS call; each operand's last
+    two axes row- or column-major (layers/gemm.py: batched_plan), out's row-major. Under the
+    checker numpy's matmul of the stack, counted as one launch."""
+    from ..layers.gemm import matrix_layout
+    if _is_rules(xp):
+        return xp.strided_gemm(a, b, out)
+    count, stride_a, stride_b, stride_out = batch
+    rows, inner = a.shape[-2:]
+    cols = b.shape[-1]
+    layout_a, ld_a = matrix_layout(a.shape[-2:], a.strides[-2:])
+    layout_b, ld_b = matrix_layout(b.shape[-2:], b.strides[-2:])
+    ld_out = matrix_layout(out.shape[-2:], out.strides[-2:])[1]
+    # cuBLAS is column-major: a row-major out is out^T there, and out^T = b^T a^T; a row-major
+    # operand read column-major is its transpose already
+    _cublas(xp).sgemmStridedBatched(
+        xp.cuda.device.get_cublas_handle(),
+        _CUBLAS_OP_N if layout_b == "row" else _CUBLAS_OP_T, _CUBLAS_OP_N if layout_a == "row" else _CUBLAS_OP_T,
+        int(cols), int(rows), int(inner), _ONE.ctypes.data,
+        b.data.ptr, int(ld_b), int(stride_b), a.data.ptr, int(ld_a), int(stride_a),
+        _ZERO.ctypes.data, out.data.ptr, int(ld_out), int(stride_out), int(count))
+
+
+def strided_gemm_usable(xp):
+    """Whether strided_gemm serves on this device: under the checker always; on cupy once per
+    device, by computing small transposed and broadcast stacks both ways (one host sync, at
+    the first use; a CuPy whose cuBLAS binding reads alpha and beta otherwise falls back to
+    one product per matrix)."""
+    if _is_rules(xp):
+        return True
+    device = xp.cuda.Device().id
+    if device not in _strided_checked:
+        _strided_checked[device] = _strided_gives_matmul(xp)
+    return _strided_checked[device]
+
+
+def _strided_gives_matmul(xp):
+    """strided_gemm against numpy's matmul on a transposed stack and on a broadcast transposed
+    matrix, the two forms layers/conv_im2col.py's pointwise backward hands it."""
+    from ..layers.gemm import batched_plan
+    rng = np.random.default_rng(0)
+
+    def draw(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    cases = [(draw(3, 5, 4), draw(3, 6, 4), lambda x: x, lambda x: x.transpose(0, 2, 1)),
+             (draw(4, 5), draw(3, 4, 6), lambda x: x.T[None], lambda x: x)]
+    try:
+        for a_host, b_host, view_a, view_b in cases:
+            a, b = view_a(xp.asarray(a_host)), view_b(xp.asarray(b_host))
+            expected = np.matmul(view_a(a_host), view_b(b_host))
+            out = xp.empty(expected.shape, dtype=np.float32)
+            plan = batched_plan(a, b, out)
+            if plan is None or plan[0]:
+                return False
+            strided_gemm(xp, a, b, out, plan[1])
+            if not np.allclose(xp.asnumpy(out), expected, rtol=1e-4, atol=1e-4):
+                return False
+    except Exception:        # noqa: BLE001 (a binding this code does not know: the per-matrix path serves)
+        return False
+    return True

@@ -510,6 +510,30 @@ class RulesXP:
         finally:
             _inside.pop()
 
+    def strided_gemm(self, a, b, out):
+        """cuBLAS's strided batched GEMM's stand-in (gpu/kernels.py: strided_gemm): numpy's
+        matmul of the stacks, one launch. cuBLAS reads strides as they are, so no operand need
+        be contiguous; each must be device memory, and out must not overlap an operand."""
+        report = _report()
+        if report is not None:
+            report.kernels += 1
+            report.calls += 1
+            for array in (a, b, out):
+                if not isinstance(array, DeviceArray):
+                    _violation("api", "strided GEMM: a host array passed to cuBLAS")
+            if np.may_share_memory(_raw(out), _raw(a)) or np.may_share_memory(_raw(out), _raw(b)):
+                _violation("overlap", "strided GEMM: out overlaps an operand")
+        _inside.append("strided_gemm")
+        try:
+            np.matmul(_raw(a), _raw(b), out=_raw(out))
+        finally:
+            _inside.pop()
+
+    @staticmethod
+    def asnumpy(array):
+        _sync("asnumpy")
+        return np.array(_raw(array))
+
     @contextlib.contextmanager
     def checking(self, report=None):
         """Record into `report` (a new Report) inside the block; yields it."""
