@@ -76,8 +76,9 @@ class Net:
     def __init__(self, model, batch_size=None, input_size=None, device="cpu", dtype=np.float32,
                  seed=0, solver=None, alloc="static", memory_budget=None, gist="none", dpr="fp16",
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
-                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(), comm=None,
-                 shard="none", bucket_bytes=DEFAULT_BUCKET_BYTES, initializers=True, plan=None):
+                 conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(),
+                 recompute_shared=(), comm=None, shard="none", bucket_bytes=DEFAULT_BUCKET_BYTES, initializers=True,
+                 plan=None):
         self.comm = comm
         memory_budget = budget_bytes(memory_budget)
         ranks = comm.size if comm is not None else 1
@@ -90,8 +91,8 @@ class Net:
         self.options = per_rank(model, Options(
             batch_size=batch_size, input_size=input_size, input_channels=input_channels, device=device, dtype=dtype,
             conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, overrides=gist_overrides, update=update,
-            budget=memory_budget, densities=ssdc_density, add_loss=add_loss, recompute=recompute, ranks=ranks,
-            shard=shard, bucket_bytes=bucket_bytes))
+            budget=memory_budget, densities=ssdc_density, add_loss=add_loss, recompute=recompute,
+            recompute_shared=recompute_shared, ranks=ranks, shard=shard, bucket_bytes=bucket_bytes))
         if plan is not None:    # minigist.optimize's plan: its settings and decisions win
             if not hasattr(plan, "options"):
                 raise MinigistError(f"plan: expected what minigist.optimize returns, got {plan!r}")
@@ -185,6 +186,7 @@ class Net:
                 set_chunks(graph, self.options.replace(chunk_bytes=plan.options.chunk_bytes))
         self.options = self.options.replace(gist=plan.options.gist, dpr=plan.options.dpr,
                                             overrides=plan.options.overrides, recompute=plan.options.recompute,
+                                            recompute_shared=plan.options.recompute_shared,
                                             densities=plan.options.densities, chunk_bytes=plan.options.chunk_bytes)
         self.optimized = plan
         self._build()

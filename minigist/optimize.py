@@ -14,17 +14,19 @@ plan reported is that compiled plan, never an estimate.
 
 How it decides. The model is an integer one on the steps of the unoptimized program (every
 stash kept): the bytes live at each step (the static planner reaches that lower bound on the
-bundled models' unoptimized plans; where it packs a choice above it, the model cannot see it), and, per stashed tensor and choice, the intervals of bytes the choice takes
-away or adds, read off real compiled programs (one with Gist's lossless rules applied
-everywhere, one with the lossy encoding everywhere) mapped back onto those steps, with the
-in-place steps and workspace a code frees credited to it; a recomputation's rebuilt copy, the
-chain of forward steps it replays from kept tensors and the maps that chain rebuilds on the way
-come from the program itself. Time added per choice comes from the cost model
-(minigist/costmodel.py). Recomputing a tensor whose sources are themselves dropped and rebuilt
-only later replays their chains too, into private copies, up to SHORT_CHAIN replays deep (a
-derived term per segment and source carries that time, and the segment's peak is modelled
-replay by replay); LONG_CHAIN where short chains fit nothing, and for the smallest plan. That
-is a mixed 0-1 program: minimize the time added such that the bytes at every step stay under
+bundled models' unoptimized plans; where it packs a choice above it, the model cannot see it),
+and, per stashed tensor and choice, the intervals of bytes the choice takes away or adds, read
+off real compiled programs (one with Gist's lossless rules applied everywhere, one with the
+lossy encoding everywhere) mapped back onto those steps, with the in-place steps and workspace a
+code frees credited to it; a recomputation's rebuilt copy, the chain of forward steps it
+replays from kept tensors and the maps that chain rebuilds on the way come from the program
+itself. Time added per choice comes from the cost model (minigist/costmodel.py). Every
+recomputation the optimizer chooses is shared (passes/recompute.py): a segment that rebuilds
+a dropped source on the way keeps its copy, so each dropped tensor is replayed once per step,
+and a run of dropped tensors between two kept ones is rebuilt together, as in Chen et al.'s
+checkpointing. A segment may reach back up to SHORT_CHAIN dropped tensors deep (a derived term
+per segment and source says the segment rebuilds it, from then on); LONG_CHAIN where short
+chains fit nothing, and for the smallest plan. That is a mixed 0-1 program: minimize the time added such that the bytes at every step stay under
 the budget, solved by HiGHS's MILP solver (scipy.optimize.milp; the choices are binary, the
 derived terms continuous and at their bounds). The choice is then compiled; where the model
 was below the exact plan, the model learns the difference step by step and solves again, a few
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cli_args import budget_bytes
+from .costmodel import step_flops
 from .errors import MinigistError
 from .memory import align
 from .memory.report import footprint_report, live_by_step
@@ -53,7 +56,8 @@ from .pipeline import Options, compile
 from .program import INPUT, STASH
 
 KEEP = "fp32"
-RECOMPUTE = "recompute"
+RECOMPUTE = "recompute"                 # shared: a segment that rebuilds it on the way keeps it
+PRIVATE = "recompute-private"           # rebuilt on the way into a segment's own copy, replayed again later
 ROUNDS = 5              # compiles of candidate plans per solve, at most
 # replays one segment chains, at most (its own tensor's, then its sources'): a budget is first
 # fitted with short chains (a smaller model, solved in seconds), with long ones only where short
@@ -122,6 +126,7 @@ class OptimizedPlan:
                 "predicted_step_s": self.predicted_seconds, "baseline_step_s": self.baseline_seconds,
                 "cost_model": self.cost_model.describe(), "cost_model_detail": self.cost_model.to_json(),
                 "overrides": dict(self.options.overrides), "recompute": list(self.options.recompute),
+                "recompute_shared": list(self.options.recompute_shared),
                 "decisions": [d.to_json() for d in self.decisions]}
 
 
@@ -134,6 +139,7 @@ class _Option:
     seconds: float             # time added relative to keeping it
     holds_values: bool = True  # a replay may read it (not a 1-bit mask, not folded into a pool's codes)
     whole_decode: bool = False  # decoded whole before its first reader (not slice by slice, not read as fp16)
+    shared: bool = False       # recomputed, and kept once a segment for another tensor rebuilds it
 
 
 @dataclass(eq=False)
@@ -198,9 +204,9 @@ def _on_base(values, positions, size):
 
 
 def lossy_overrides(graph, program, lossless, dpr):
-    """{stashed top: the Gist override of its lossy option}: SSDC with `dpr` values where the
-    lossless rules give it SSDC, else DPR in `dpr` where that applies (float32, a batch of
-    maps, 4 KiB or more). `program` is the unoptimized training program, `lossless` the one
+    """{stashed top or net input: the Gist override of its lossy option}: SSDC with `dpr` values
+    where the lossless rules give it SSDC, else DPR in `dpr` where that applies (float32, a
+    batch of maps, 4 KiB or more). `program` is the unoptimized training program, `lossless` the one
     under the lossless rules. Left out: a top named as a layer with saved tensors (a pool's
     argmax) or as a max-pool, since Gist's overrides also match layer names and the override
     would reach the layer's codes too."""
@@ -208,7 +214,7 @@ def lossy_overrides(graph, program, lossless, dpr):
     saved = {b.layer for b in program.buffers.values() if b.kind == "saved"}
     overrides = {}
     for name, buffer in program.buffers.items():
-        if buffer.kind != "blob" or buffer.category != STASH:
+        if buffer.kind != "blob" or buffer.category not in (STASH, INPUT):
             continue
         tensor = buffer.tensor
         if tensor in layers and (tensor in saved or layers[tensor].type == "Pooling"):
@@ -269,6 +275,7 @@ class Optimizer:
                                         overrides=overrides)
         for stash in self.stashes.values():
             self._add_recompute_option(stash)
+        self._drop_idle_private()
         self.chain = None
         self._use_chain(SHORT_CHAIN)
         # the model is exact where it was measured: start from the lossless rules everywhere
@@ -287,10 +294,13 @@ class Optimizer:
         return plan.footprint_bytes + max(0, self.eval_transient - plan.transient_bytes)
 
     def _stashes(self):
+        """The stashed tops, and under lossy modes the net's float inputs that a backward step
+        reads (the data a first convolution's weight gradient needs), which DPR may keep too."""
         program = self.base.program
         stashes = {}
         for name, buffer in program.buffers.items():
-            if buffer.kind != "blob" or buffer.category != STASH:
+            if buffer.kind != "blob" or not (buffer.category == STASH or (
+                    self.lossy and buffer.category == INPUT and buffer.dtype == np.float32)):
                 continue
             uses = [i for i, s in enumerate(program.steps) if name in set(s.buffer_names())]
             forward = [i for i in uses if i < self.first_backward]
@@ -437,58 +447,109 @@ class Optimizer:
                         scratch += align(program.buffers[name].nbytes)
         stash.chain_bytes = scratch
         intervals = self._freed(stash) + [(stash.first_reader, stash.last_reader, stash.nbytes)]
-        stash.options.append(_Option(RECOMPUTE, None, True, intervals, stash.chain_seconds))
+        stash.options.append(_Option(RECOMPUTE, None, True, intervals, stash.chain_seconds, shared=True))
+        # replayed again where another segment needs it first: worth it for a chain without
+        # convolutions or inner products alone (its replays cost a pass over memory)
+        if not any(step_flops(program.steps[index]) for index in chain):
+            stash.options.append(_Option(PRIVATE, None, True, list(intervals), stash.chain_seconds))
+
+    def _drop_idle_private(self):
+        """Keep the private option only where a segment for another tensor can rebuild the
+        tensor before its own first backward reader: elsewhere it is the shared one again (two
+        columns for one choice, which the solver would search twice)."""
+        earliest = {t: stash.first_reader for t, stash in self.stashes.items()}     # when a replay of it may run
+        consumers = {}
+        for tensor, stash in self.stashes.items():
+            if any(o.recompute for o in stash.options):
+                for source in stash.sources:
+                    consumers.setdefault(source, []).append(tensor)
+        for tensor in sorted(self.stashes, key=lambda t: self.stashes[t].produced, reverse=True):
+            stash = self.stashes[tensor]
+            earliest[tensor] = min([stash.first_reader] + [earliest[c] for c in consumers.get(tensor, ())])
+            if earliest[tensor] == stash.first_reader:
+                stash.options = [o for o in stash.options if not (o.recompute and not o.shared)]
 
     def _interactions(self):
         """What one tensor's choice does to another's, as (derived terms, forbidden groups,
         segment peaks).
 
         A recomputed tensor T's segment replays T's chain from its sources; a source that is
-        recomputed too but rebuilt only later (its first backward reader comes after T's) is
-        replayed on the way, into a private copy, from its own sources, and so on up to
-        `self.chain` replays deep: a derived term per (T, source reached) says that T's segment
-        replays it (its chain's time again). The segment's peak is modelled replay by replay:
-        the copy a replay writes and its scratch, with the private copies it reads (the pass
-        frees each private copy after its last replay).
+        recomputed too but not rebuilt yet (its first backward reader comes after T's) is
+        rebuilt on the way from its own sources, and so on up to `self.chain` tensors deep,
+        and keeps its copy (shared recomputation: its own segment then replays nothing, so its
+        chain's time counts once): a derived term per (T, source reached) says that T's
+        segment rebuilds it, and per source and step, that its copy is made by then (from the
+        first segment that rebuilds it to its own first reader). The segment's peak counts each
+        replay's scratch.
         A source read by a replay of T's segment in a code:
         - without values (a ReLU's 1-bit mask, its place in a pool's codes): forbidden, Gist
           gives a replay's source values;
-        - with values: decoded before the first replay that reads it, whole (its own readers
-          may have decoded it slice by slice or read fp16 codes as they are);
+        - with values: decoded for each run of replays that reads it, into a copy freed after
+          the run (the run right before its first backward reader shares that reader's
+          decode, where its readers decode it whole);
         - fp32 kept, or a copy rebuilt by an earlier segment, whose last backward reader
           comes before T's segment: it lives on until the segment."""
         aux, forbidden, segments = [], [], []
-        recompute = {t: o for t, s in self.stashes.items() for o in s.options if o.recompute}
+        shared = {t: o for t, s in self.stashes.items() for o in s.options if o.shared}
+        private = {t: o for t, s in self.stashes.items() for o in s.options if o.recompute and not o.shared}
         keep = {t: s.options[0] for t, s in self.stashes.items()}
         readers = {}            # source -> {T: [terms: T's segment replays a step that reads it]}
+        pulls = {}              # shared source -> {step: [terms: a segment there rebuilds it first]}
         for tensor, stash in self.stashes.items():
-            if tensor not in recompute:
+            own = [(tensor, o) for o in (shared.get(tensor), private.get(tensor)) if o is not None]
+            if not own:
                 continue
             at = stash.first_reader
-            replays = {tensor: (tensor, recompute[tensor])}    # C -> the term "T's segment replays C"
+            if len(own) == 1:
+                root = own[0]
+            else:               # its own segment runs (or an earlier one rebuilds it) either way
+                root = _Aux([[term] for term in own])
+                aux.append(root)
+            # C -> "T's segment replays C" (shared: rebuilt here for good; or privately), and
+            # C -> "... privately" (its chain's time again, its copy the segment's own)
+            replays, copies = {tensor: root}, {}
             depth, order = {tensor: 1}, [tensor]
             for node in order:                                   # grows as sources are reached
                 for source in self.stashes[node].sources:
                     readers.setdefault(source, {}).setdefault(tensor, []).append(replays[node])
                     other = self.stashes[source]
-                    if source not in recompute or other.first_reader <= at:
+                    if other.first_reader <= at or (source not in shared and source not in private):
                         continue        # kept, encoded, or rebuilt by an earlier segment
-                    group = [replays[node], (source, recompute[source])]
+                    groups = [[replays[node], (source, option)] for option in (shared.get(source), private.get(source))
+                              if option is not None]
                     if depth[node] >= self.chain:
-                        forbidden.append(group)
+                        forbidden.extend(groups)
                         continue
                     if source not in replays:
-                        replays[source] = _Aux([], [], other.chain_seconds)
+                        replays[source] = _Aux([])
                         aux.append(replays[source])
+                        if source in private:
+                            copies[source] = _Aux([], [], other.chain_seconds)
+                            aux.append(copies[source])
+                            replays[source].groups.append([copies[source]])
                         depth[source] = depth[node] + 1
                         order.append(source)
-                    replays[source].groups.append(group)
+                    for group in groups:
+                        if group[1][1].shared:
+                            replays[source].groups.append(group)
+                            pulls.setdefault(source, {}).setdefault(at, []).append(group)
+                        else:
+                            copies[source].groups.append(group)
             for node in order:
-                own = self.stashes[node]
-                entries = [(replays[node], own.chain_bytes + (own.nbytes if node != tensor else 0))]
-                entries += [(replays[source], self.stashes[source].nbytes) for source in own.sources
-                            if source in replays and source != tensor]
+                entries = [(replays[node], self.stashes[node].chain_bytes)]
+                entries += [(copies[source], self.stashes[source].nbytes) for source in self.stashes[node].sources
+                            if source in copies]
                 segments.append(_Segment(at, [(term, nbytes) for term, nbytes in entries if nbytes]))
+        # a tensor rebuilt by an earlier segment keeps its copy from the first such segment on:
+        # a term per step a segment may rebuild it at, "made by then", each at least the one before
+        for source, by_step in pulls.items():
+            other = self.stashes[source]
+            steps = sorted(by_step) + [other.first_reader]
+            made = None
+            for index, step in enumerate(steps[:-1]):
+                groups = [list(group) for group in by_step[step]] + ([[made]] if made is not None else [])
+                made = _Aux(groups, [(step, steps[index + 1] - 1, other.nbytes)])
+                aux.append(made)
         for source, by_tensor in readers.items():
             other = self.stashes[source]
             tensors = sorted(by_tensor, key=lambda t: (self.stashes[t].first_reader, self.stashes[t].produced))
@@ -504,7 +565,7 @@ class Optimizer:
                 at = self.stashes[tensor].first_reader
                 if at <= other.last_reader:
                     continue
-                for option in (keep[source], recompute.get(source)):
+                for option in (keep[source], shared.get(source), private.get(source)):
                     if option is not None and (option.name == KEEP or other.first_reader <= at):
                         aux.append(_Aux([[reads[tensor], (source, option)]], [(other.last_reader + 1, at, other.nbytes)]))
             for option in other.options:
@@ -514,20 +575,19 @@ class Optimizer:
                     for tensor in tensors:
                         forbidden.append([reads[tensor], (source, option)])
                     continue
-                end = other.first_reader - 1 if option.whole_decode else other.last_reader
-                if not option.whole_decode:     # one decode step of the whole tensor, where none was
-                    encoded = sum(n for _, _, n in option.intervals if n > 0)
-                    aux.append(_Aux([[reads[t], (source, option)] for t in tensors], [],
-                                    self.cost.bytes_seconds(other.raw + encoded)))
-                # the decoded copy, made by the first segment that reads it, lives on to `end`:
-                # one term per segment, "made by now", each at least the one before
-                starts = [self.stashes[t].first_reader for t in tensors] + [end + 1]
-                made = None
-                for index, tensor in enumerate(tensors):
-                    first, last = starts[index], min(end, starts[index + 1] - 1)
-                    groups = [[reads[tensor], (source, option)]] + ([[made]] if made is not None else [])
-                    made = _Aux(groups, [(first, last, other.nbytes)] if first <= last else [])
-                    aux.append(made)
+                # each run of replays (the segments before one backward step) decodes it into
+                # a copy of its own, freed after the run; a run right before its first backward
+                # reader reads the copy that reader's whole decode makes
+                decode_seconds = self.cost.bytes_seconds(other.raw + sum(n for _, _, n in option.intervals if n > 0))
+                runs = {}
+                for tensor in tensors:
+                    runs.setdefault(self.stashes[tensor].first_reader, []).append(tensor)
+                for at, members in runs.items():
+                    if option.whole_decode and at == other.first_reader:
+                        continue
+                    term = _Aux([[reads[t], (source, option)] for t in members], [], decode_seconds)
+                    aux.append(term)
+                    segments.append(_Segment(at, [(term, other.nbytes)]))
         return aux, forbidden, segments
 
     def _use_chain(self, depth):
@@ -690,7 +750,8 @@ class Optimizer:
         """The pipeline's Options that carry out {tensor: option}."""
         overrides = {t: o.override for t, o in choice.items() if o.override is not None}
         recompute = [t for t in self.stashes if choice[t].recompute]
-        return self.options.replace(overrides=overrides, recompute=recompute)
+        shared = [t for t in self.stashes if choice[t].shared]
+        return self.options.replace(overrides=overrides, recompute=recompute, recompute_shared=shared)
 
     def _plan(self, choice, compiled, budget):
         seconds = self.cost.program_seconds(compiled.program)
@@ -922,7 +983,9 @@ class Optimizer:
         returned (None: no choice fits some step, whatever the time)."""
         from scipy.optimize import linprog
         program, plan = self.base.program, self.base.plan
-        stash_groups = [g for g in plan.groups if any(program.buffers[m].category == STASH for m in g.members)]
+        stash_groups = [g for g in plan.groups if any(
+            program.buffers[m].category == STASH or (program.buffers[m].kind == "blob" and program.buffers[m].tensor in
+                                                     self.stashes) for m in g.members)]
         worst = 0.0
         for index in range(self.first_backward, self.steps):
             fixed = self.base_live[index] - sum(align(g.nbytes) for g in stash_groups

@@ -176,7 +176,7 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
     `batch`. Falls back to the FLOP model where those nets do not fit this machine."""
     from .net import Net
     fallback = flop_model(seconds=0.25)     # for steps not profiled, scaled to the profiled ones
-    base = options.replace(overrides=(), recompute=(), budget=None, chunk_bytes=None)
+    base = options.replace(overrides=(), recompute=(), recompute_shared=(), budget=None, chunk_bytes=None)
     variants = [base.replace(gist="none"), base.replace(gist="lossless")]
     nets = []
     try:

@@ -45,7 +45,8 @@ class Options:
     largest fraction of non-zeros SSDC plans for}; budget: bytes the plan must fit (None: no
     limit); conv: an engine of CONV_CHOICES ("auto" is settled by `resolve_conv`); recompute:
     stashed tensors (buffer.tensor names, e.g. "conv1@relu1") dropped after the forward pass
-    and rebuilt before their backward use (passes/recompute.py); ranks, shard, bucket_bytes:
+    and rebuilt before their backward use (passes/recompute.py); recompute_shared: those of
+    them whose copy is kept once a replay for another tensor rebuilds it; ranks, shard, bucket_bytes:
     the program of one of `ranks` data-parallel ranks (passes/reduce.py), `batch_size` then
     being each rank's share of the global batch; chunk_bytes: the batch-chunk target of every
     layer that works in chunks (None: each layer's own; smaller chunks shrink the workspace,
@@ -67,6 +68,7 @@ class Options:
     densities: tuple = field(default=())
     add_loss: bool = False
     recompute: tuple = field(default=())
+    recompute_shared: tuple = field(default=())
     ranks: int = 1
     shard: str = "none"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -76,9 +78,11 @@ class Options:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
         object.__setattr__(self, "overrides", _frozen_items(self.overrides))
         object.__setattr__(self, "densities", _frozen_items(self.densities))
-        if isinstance(self.recompute, str):     # one name, not its characters
-            raise MinigistError(f"recompute: expected a list of tensor names, got {self.recompute!r}")
-        object.__setattr__(self, "recompute", tuple(dict.fromkeys(self.recompute or ())))
+        for name in ("recompute", "recompute_shared"):
+            value = getattr(self, name)
+            if isinstance(value, str):     # one name, not its characters
+                raise MinigistError(f"{name}: expected a list of tensor names, got {value!r}")
+            object.__setattr__(self, name, tuple(dict.fromkeys(value or ())))
         if self.alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {self.alloc!r}")
         if self.update not in UPDATES:
@@ -152,7 +156,7 @@ def run_passes(graph, options, phase="TRAIN", calibrating=False):
     train = phase == "TRAIN"
     program = build_program(graph, train=train, fused_update=options.update == "fused")
     if train:
-        program = apply_recompute(program, options.recompute)
+        program = apply_recompute(program, options.recompute, options.recompute_shared)
         program = apply_gist(program, options.gist_config(), calibrating)
     program = mark_inplace(program)
     return apply_reduce(program, options.ranks, options.shard, options.bucket_bytes)

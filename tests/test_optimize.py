@@ -17,7 +17,7 @@ from minigist.costmodel import REFERENCE_GEMM_FLOPS, FlopModel, profile, step_fl
 from minigist.errors import MinigistError  # noqa: E402
 from minigist.memory.report import live_by_step  # noqa: E402
 from minigist.memory.report import footprint_report  # noqa: E402
-from minigist.optimize import RECOMPUTE, SMALL_CHUNK_BYTES, Optimizer, _on_base, _positions  # noqa: E402
+from minigist.optimize import PRIVATE, RECOMPUTE, SMALL_CHUNK_BYTES, Optimizer, _on_base, _positions  # noqa: E402
 from minigist.optimize_cli import FRONTIER_POINTS, frontier, profiled_model  # noqa: E402
 from minigist.pipeline import Options, compile  # noqa: E402
 from test_gist import batches, model  # noqa: E402
@@ -138,15 +138,16 @@ def test_the_plan_is_the_compiled_plan_and_fits(resnet20):
     assert plan.predicted_seconds == pytest.approx(COST.program_seconds(compiled.program))
     assert plan.predicted_overhead > 0
     assert any(d.choice == RECOMPUTE for d in plan.decisions)
-    recomputed = {d.tensor for d in plan.decisions if d.choice == RECOMPUTE}
+    recomputed = {d.tensor for d in plan.decisions if d.choice in (RECOMPUTE, PRIVATE)}
     assert recomputed == set(plan.options.recompute)
+    assert {d.tensor for d in plan.decisions if d.choice == RECOMPUTE} == set(plan.options.recompute_shared)
     stored = {row["tensor"]: row["stored_bytes"] for row in plan.to_json() and
               minigist.Net(model("resnet20"), plan=plan).report()["stash"]}
     for decision in plan.decisions:     # bytes saved: what the exact plan's stash table says
         aligned = decision.raw_bytes + (-decision.raw_bytes % 256)
         if decision.choice == "fp32":
             assert decision.bytes_saved == 0
-        elif decision.choice == RECOMPUTE:
+        elif decision.choice in (RECOMPUTE, PRIVATE):
             assert decision.bytes_saved == aligned and stored[decision.tensor] == 0
         else:
             assert decision.bytes_saved == aligned - stored[decision.tensor] > 0
@@ -205,7 +206,7 @@ def test_every_lossless_choice_trains_bit_identically(name):
         chosen = optimizer.options_for(choice)
         net, losses = train_net(name, data, plan=type("Plan", (), {"options": chosen})())
         assert_same_training(reference, expected, net, losses)
-    assert {"fp32", RECOMPUTE} <= kinds and len(kinds) >= 3, kinds
+    assert {"fp32", RECOMPUTE, PRIVATE} <= kinds and len(kinds) >= 4, kinds
 
 
 @pytest.mark.slow

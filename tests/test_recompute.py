@@ -39,9 +39,11 @@ def stashed_blobs(path, batch_size=4):
     return tuple(b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == "stash")
 
 
-def train(path, data, alloc="static", gist="none", recompute=(), batch_size=4, update="separate", conv="im2col"):
+def train(path, data, alloc="static", gist="none", recompute=(), batch_size=4, update="separate", conv="im2col",
+          shared=()):
     net = minigist.Net(path, batch_size=batch_size, seed=1, gist=gist, alloc=alloc, recompute=recompute,
-                       update=update, conv=conv, solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+                       recompute_shared=shared, update=update, conv=conv,
+                       solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
     if gist != "none":
         net.calibrate(data[:2])
     losses = [net.train_step(*batch) for batch in data]
@@ -172,15 +174,95 @@ def test_recomputation_is_bit_identical(name, alloc, gist, which):
         assert rows[tensor]["encoding"] == "recomputed" and rows[tensor]["stored_bytes"] == 0
     if gist == "lossless" and which == "every other":
         # the stashes replays start from are encoded too, with codes that hold their values,
-        # and the replays read the decoded copies
+        # and the replays read decoded copies
         program = net.programs["train"]
         decoded = {name for step in recompute_steps(net) for name in step.buffer_names() if name.startswith("dec:")}
         assert decoded
-        assert {program.encodings[name].name for name in program.encodings
-                if program.encodings[name].decoded in decoded} == {"ssdc"}
+        by_tensor = {program.buffers[name].tensor: encoding.name for name, encoding in program.encodings.items()}
+        assert {by_tensor[program.buffers[name].tensor] for name in decoded} == {"ssdc"}
         for step in recompute_steps(net):
             for name in step.buffer_names(("x",)):
                 assert name not in program.encodings, f"{step.label} reads the encoded {name}"
+
+
+def replays_per_layer(net):
+    counts = {}
+    for step in recompute_steps(net):
+        counts[step.layer.name] = counts.get(step.layer.name, 0) + 1
+    return counts
+
+
+def test_shared_recomputation_trains_bit_identically_and_replays_each_step_once():
+    """A quick one: every other stash of resnet20 dropped and shared."""
+    tensors = stashed_blobs(model("resnet20"))[::2]
+    expected_net, expected = reference("resnet20", "static", 2)
+    net, losses = train(model("resnet20"), batches(2), recompute=tensors, shared=tensors)
+    assert_same_training(expected_net, expected, net, losses)
+    assert recompute_steps(net) and max(replays_per_layer(net).values()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SMALL_MODELS)
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+@pytest.mark.parametrize("gist", ["none", "lossless"])
+@pytest.mark.parametrize("which", ["every other", "all"])
+def test_shared_recomputation_is_bit_identical(name, alloc, gist, which):
+    """Shared: a segment that rebuilds a dropped source keeps its copy for the source's own
+    backward readers, so no forward step is replayed twice in a step."""
+    tensors = stashed_blobs(model(name))
+    tensors = tensors[::2] if which == "every other" else tensors
+    expected_net, expected = reference(name, alloc, 2)
+    net, losses = train(model(name), batches(2), alloc, gist, tensors, shared=tensors)
+    assert_same_training(expected_net, expected, net, losses)
+    assert recompute_steps(net) and max(replays_per_layer(net).values()) == 1
+
+
+def test_shared_and_private_footprints():
+    """ResNet-20 at batch 32, static (docs/memory.md): dropping tensors privately keeps the
+    least and replays the most; shared, each dropped tensor's chain runs once, and with every
+    stash dropped all are rebuilt together at the start of the backward pass, as many bytes as
+    keeping them."""
+    path = model("resnet20")
+    tensors = stashed_blobs(path, 32)
+    assert len(tensors) == 41
+    found = {}
+    for which, chosen in (("every other", tensors[::2]), ("all", tensors)):
+        for kind, shared in (("private", ()), ("shared", chosen)):
+            compiled = compile(path, Options(batch_size=32, recompute=chosen, recompute_shared=shared))
+            replays = sum(step.kind == "recompute" for step in compiled.program.steps)
+            found[which, kind] = (compiled.plan.footprint_bytes, replays)
+    assert compile(path, Options(batch_size=32)).plan.footprint_bytes == 61_764_096
+    assert found == {("every other", "private"): (38_833_920, 74), ("every other", "shared"): (41_979_648, 45),
+                     ("all", "private"): (23_900_672, 1821), ("all", "shared"): (61_764_096, 92)}
+
+
+def test_shared_tensors_must_be_recomputed():
+    with pytest.raises(MinigistError, match=r"recompute_shared: 'conv1@conv1/relu' is not among the recomputed "
+                                            r"tensors$"):
+        compile(model("resnet20"), Options(batch_size=4, recompute=["res1a@res1a_relu"],
+                                           recompute_shared=["conv1@conv1/relu"]))
+
+
+def test_replays_decode_their_sources_into_copies_of_their_own():
+    """Lossless, every other stash of inception_small dropped: a stash that replays read is kept
+    encoded, and each run of replays decodes it into a copy that dies with the run, so the
+    decoded copy of its own backward readers is not made until they come."""
+    path = model("inception_small")
+    tensors = stashed_blobs(path, 8)[::2]
+    program = compile(path, Options(batch_size=8, gist="lossless", densities={t: 0.5 for t in stashed_blobs(path, 8)},
+                                    recompute=tensors)).program
+    own = [b for b in program.buffers.values() if b.kind == "dec" and b.part]
+    assert own
+    for buffer in own:
+        run = program.steps[buffer.first_use:buffer.last_use + 1]
+        assert run[0].kind == "decode" and all(step.kind in ("decode", "recompute") for step in run), buffer.name
+        assert program.steps[buffer.last_use].kind == "recompute"
+    for name, encoding in program.encodings.items():
+        decoded = program.buffers.get(encoding.decoded) if encoding.decoded else None
+        if decoded is not None:     # made right before its first backward reader (or that reader's replays)
+            after = program.steps[decoded.first_use + 1:]
+            first = next(step for step in after if step.kind not in ("decode", "recompute"))
+            assert first.kind == "backward" and encoding.decoded in first.buffer_names(), name
 
 
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])

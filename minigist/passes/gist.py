@@ -2,7 +2,7 @@
 
 Reads: the training program (typed buffers, liveness; after passes/recompute.py, whose
 replays are readers too: the stashes they start from get only codes that hold their values,
-decoded before the first replay), the graph's layer facts (sparse_output,
+decoded for each run of replays into a copy of its own), the graph's layer facts (sparse_output,
 keeps_zeros, argmax_positions, mask_backward, gradient_only_where_positive, elementwise,
 stream_chunk/stream_role, reads_half, emits_top_slices) and the GistConfig.
 Provides: a new program with encode and decode steps and Gist's step kinds
@@ -96,18 +96,18 @@ class _Builder:
         self.calibrating = calibrating
         self.steps = program.steps
         self.first_backward = next((i for i, s in enumerate(self.steps) if s.kind != "forward"), len(self.steps))
-        self.readers = {}     # buffer -> indices of backward-pass steps that read it
-        # stashes that a step of the backward pass other than a backward reads (a
-        # recomputation's replay of a forward step): it needs their values, so they get only a
-        # code that holds them, decoded whole before it (no mask, no fp16 read as it is, no stream)
-        self.read_as_values = set()
+        # buffer -> indices of the backward steps that read it, and of the replays of a
+        # recomputation (passes/recompute.py) that do: they need its values, so a stash they
+        # read gets only a code that holds them (no mask), and each run of replays decodes it
+        # into a copy of its own, freed when the run is done: the long gap to its own backward
+        # readers holds the codes alone
+        self.readers, self.replay_readers = {}, {}
         for index in range(self.first_backward, len(self.steps)):
             step = self.steps[index]
-            if step.kind != "backward":
-                self.read_as_values.update(step.buffer_names(("x", "y", "saved")))
+            readers = self.readers if step.kind == "backward" else self.replay_readers
             for role in ("x", "y", "saved"):
                 for name in names_in(step.args.get(role)):
-                    self.readers.setdefault(name, []).append(index)
+                    readers.setdefault(name, []).append(index)
         self.saved = {(b.layer, b.part): b.name for b in program.buffers.values() if b.kind == "saved"}
         self.choices = {}     # buffer -> rules.Choice
         self.identity_relus = set()   # backward step indices turned into copies
@@ -194,7 +194,8 @@ class _Builder:
         sparse = (blob and buffer.dtype == np.float32 and self.config.lossless
                   and _sparse_prone(self.graph, buffer.tensor, self.sparse_memo))
         return rules.Site(
-            buffer=buffer, producer=node.layer, readers=[self.steps[i].layer for i in self.readers[buffer.name]],
+            buffer=buffer, producer=node.layer,
+            readers=[self.steps[i].layer for i in self.readers[buffer.name] + self.replay_readers.get(buffer.name, [])],
             consumers=consumers, config=self.config, sparse=sparse, dpr_applies=self.dpr_applies(buffer),
             ssdc=self.ssdc_codec(buffer) if sparse else None,
             saved_of=lambda layer, part: self.saved.get((layer.name, part)),
@@ -238,6 +239,23 @@ class _Builder:
                 encodes.setdefault(min(uses), []).append(Step(
                     "encode", None, {"x": inputs, "enc": encoded, "ws": encode_ws}, op=Encode(codec, tensor),
                     note=tensor))
+            whole = not direct and not chunk
+            first = min(readers)
+            for run, indices in self.replay_runs(name).items():
+                if whole and run == first:  # right before the first reader: they share its decode
+                    first = min(indices)
+                    for index in indices:
+                        renames.setdefault(index, {})[name] = f"dec:{tensor}"
+                    continue
+                own = f"dec:{tensor}#{run}"
+                buffers[own] = Buffer(own, buffer.shape, np.dtype(codec.decoded_dtype(buffer.dtype)), STASH,
+                                      buffer.layer, kind="dec", tensor=tensor, part=str(run))
+                own_ws = _workspace(buffers, codec.workspace(buffer.shape, "decode"), f"{tensor}.decode#{run}",
+                                    buffer.layer)
+                decodes.setdefault(min(indices), []).append(Step(
+                    "decode", None, {"enc": encoded, "out": own, "ws": own_ws}, op=Decode(codec, tensor), note=tensor))
+                for index in indices:
+                    renames.setdefault(index, {})[name] = own
             if direct:  # the readers take the fp16 codes themselves: nothing to decode
                 for index in readers:
                     renames.setdefault(index, {})[name] = encoded["codes"]
@@ -252,7 +270,7 @@ class _Builder:
                 for index in readers:
                     self.streams.setdefault(index, {})[decoded] = (codec, tensor, encoded, decode_ws)
             else:
-                decodes.setdefault(min(readers), []).append(Step(
+                decodes.setdefault(first, []).append(Step(
                     "decode", None, {"enc": encoded, "out": decoded, "ws": decode_ws}, op=Decode(codec, tensor),
                     note=tensor))
             for index in readers:
@@ -298,12 +316,21 @@ class _Builder:
             op = StreamedBackward(dict(streams))
         return Step(step.kind, step.layer, args, op=op)
 
+    def replay_runs(self, name):
+        """{the backward step a run of replays comes before: the indices of those replays that
+        read `name`}: a recomputation's segments run right before the backward step that first
+        reads the tensor they rebuild."""
+        runs = {}
+        for index in self.replay_readers.get(name, ()):
+            run = next(i for i in range(index, len(self.steps)) if self.steps[i].kind != "recompute")
+            runs.setdefault(run, []).append(index)
+        return runs
+
     def read_as_half(self, name, codec):
         """Whether every backward reader takes the stash `name` as float16 (Layer.reads_half,
         in its stream_role's first place and nowhere else in the step), so that its DPR fp16
         codes serve as they are (HalfStash)."""
-        if (type(codec) is not DPR or codec.fmt != "fp16" or self.program.buffers[name].dtype != np.float32
-                or name in self.read_as_values):
+        if type(codec) is not DPR or codec.fmt != "fp16" or self.program.buffers[name].dtype != np.float32:
             return False
         for index in self.readers[name]:
             step = self.steps[index]
@@ -331,8 +358,7 @@ class _Builder:
         `stream_role` "y": a convolution, an LRN, a Scale, a BatchNorm's x_hat; or an
         elementwise layer reading it as its top: a ReLU), for a codec of values (SSDC, DPR);
         else 0."""
-        if (not isinstance(codec, (SSDC, DPR)) or self.program.buffers[name].kind != "blob"
-                or name in self.read_as_values):
+        if not isinstance(codec, (SSDC, DPR)) or self.program.buffers[name].kind != "blob":
             return 0
         buffer = self.program.buffers[name]
         if buffer.shape[0] != self.graph.batch_size or buffer.nbytes < STREAM_MIN_BYTES:

@@ -5,6 +5,8 @@ Reads: a training program from passes/backward.py (typed buffers, liveness; noth
 yet), the names of the stashed tensors to drop (buffer.tensor of a stashed blob, e.g.
 "conv1@relu1"), and the layers' declared facts: `recomputable`, `forward_updates_state`,
 `forward_draws_random`, `replay_workspace` and `replay_forward` (layers/base.py).
+Also reads `shared`, a subset of them: the tensors whose copy, when a segment rebuilds them on
+the way to another tensor before their own segment comes, is kept from then on.
 Provides: a new program where each named tensor's FP32 buffer is read by no backward step, so
 its lifetime ends at its last forward use. Right before its first backward reader a segment
 of "recompute" steps (Replay ops) re-runs the forward chain that produces it, from tensors
@@ -25,7 +27,11 @@ tensor's copy lives from its replay to its last backward reader); every other ma
 on the way (an unkept feature map, or a dropped tensor whose own segment comes later) is its
 own, freed as soon as the segment is done with it. So dropping every stash keeps only the
 copies whose backward readers are still to come, at the price of replaying a chain from the
-net's input for each: memory against time, as in the checkpointing of Chen et al. (2016).
+net's input for each: memory against time. A shared tensor is the other side of that trade: a
+segment that rebuilds it on the way keeps its copy (as its own segment would have made it) and
+its own segment replays nothing, so a run of shared tensors between two kept ones is rebuilt
+once, together, as in the checkpointing of Chen et al. (2016): each replayed once, each copy
+live from the segment that made it to its last backward reader.
 
 Order: this pass runs before Gist's. Gist then never encodes what is recomputed (the dropped
 tensors have no backward reader left, and the rebuilt copies are made in the backward pass,
@@ -64,13 +70,14 @@ class _Segment:
 
 
 class _Builder:
-    def __init__(self, program, tensors):
+    def __init__(self, program, tensors, shared=()):
         self.program = program
         self.graph = program.graph
         self.buffers = {name: replace(b) for name, b in program.buffers.items()}   # the input left as it is
         self.steps = program.steps
         self.first_backward = next((i for i, s in enumerate(self.steps) if s.kind != "forward"), len(self.steps))
         self.dropped = {f"blob:{tensor}" for tensor in tensors}
+        self.shared = {f"blob:{tensor}" for tensor in shared}
         self.rebuilt = {}       # dropped blob buffer -> the copy its segment rebuilt, which its readers read
 
     def check(self, tensor):
@@ -120,13 +127,15 @@ class _Builder:
         y = []
         for name in step.args["y"]:
             original = self.buffers[name]
-            # the segment's own tensor gets the copy its backward readers read; every other top
-            # is the segment's alone, so that it is freed when the segment is done with it
-            rec = f"rec:{original.tensor}" if name == segment.target else f"rec:{original.tensor}#{segment.tensor}"
+            # the segment's own tensor, and a shared one, get the copy their backward readers
+            # read; every other top is the segment's alone, freed when the segment is done with it
+            own = name == segment.target or name in self.shared
+            rec = f"rec:{original.tensor}" if own else f"rec:{original.tensor}#{segment.tensor}"
             self.buffers[rec] = Buffer(rec, original.shape, original.dtype, FEATURE, original.layer,
-                                       kind="rec", tensor=original.tensor,
-                                       part="" if name == segment.target else segment.tensor)
+                                       kind="rec", tensor=original.tensor, part="" if own else segment.tensor)
             segment.copies[name] = rec
+            if own and name in self.dropped:
+                self.rebuilt[name] = rec
             y.append(rec)
         if layer.forward_draws_random:   # the numbers the forward drew and saved, read again
             saved = dict(step.args["saved"])
@@ -159,9 +168,10 @@ class _Builder:
         order = {name: (first_reader[name], self.graph.blobs[self.buffers[name].tensor].producer)
                  for name in self.dropped}
         for name in sorted(self.dropped, key=order.__getitem__):
+            if name in self.rebuilt:        # shared, and rebuilt by an earlier segment
+                continue
             segment = _Segment(name, self.buffers[name].tensor)
             self.replay(self.producer_step(name, segment.tensor), segment)
-            self.rebuilt[name] = segment.copies[name]
             segments.setdefault(first_reader[name], []).extend(segment.steps)
         steps = []
         for index, step in enumerate(self.steps):
@@ -187,14 +197,20 @@ def _rename(value, rebuilt, role):
     return [rebuilt.get(name, name) if isinstance(name, str) else name for name in value]
 
 
-def apply_recompute(program, tensors):
+def apply_recompute(program, tensors, shared=()):
     """The program with each stashed tensor of `tensors` (buffer.tensor names of stashed
-    blobs) dropped after its forward use and rebuilt before its backward use; `program`
-    itself is left unchanged. An empty `tensors` returns `program` as it is."""
+    blobs) dropped after its forward use and rebuilt before its backward use, those of
+    `shared` kept from the first segment that rebuilds them; `program` itself is left
+    unchanged. An empty `tensors` returns `program` as it is."""
     tensors = tuple(tensors)
     if not tensors:
+        if shared:
+            raise MinigistError(f"recompute_shared: {', '.join(shared)} not recomputed")
         return program
-    builder = _Builder(program, tensors)
+    unknown = [tensor for tensor in shared if tensor not in tensors]
+    if unknown:
+        raise MinigistError(f"recompute_shared: '{unknown[0]}' is not among the recomputed tensors")
+    builder = _Builder(program, tensors, shared)
     for tensor in tensors:
         builder.check(tensor)
     return builder.build()
