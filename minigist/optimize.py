@@ -20,17 +20,18 @@ off real compiled programs (one with Gist's lossless rules applied everywhere, o
 lossy encoding everywhere) mapped back onto those steps, with the in-place steps and workspace a
 code frees credited to it; a recomputation's rebuilt copy, the chain of forward steps it
 replays from kept tensors and the maps that chain rebuilds on the way come from the program
-itself. Time added per choice comes from the cost model (minigist/costmodel.py). Every
-recomputation the optimizer chooses is shared (passes/recompute.py): a segment that rebuilds
-a dropped source on the way keeps its copy, so each dropped tensor is replayed once per step,
-and a run of dropped tensors between two kept ones is rebuilt together, as in Chen et al.'s
-checkpointing. A segment may reach back up to SHORT_CHAIN dropped tensors deep (a derived term
-per segment and source says the segment rebuilds it, from then on); LONG_CHAIN where short
-chains fit nothing, and for the smallest plan. That is a mixed 0-1 program: minimize the time added such that the bytes at every step stay under
-the budget, solved by HiGHS's MILP solver (scipy.optimize.milp; the choices are binary, the
-derived terms continuous and at their bounds). The choice is then compiled; where the model
-was below the exact plan, the model learns the difference step by step and solves again, a few
-times, until the exact plan fits. Deterministic for a given cost model: the solver stops at an
+itself. Time added per choice comes from the cost model (minigist/costmodel.py). A
+recomputation is shared (passes/recompute.py: a segment that rebuilds a dropped source on the
+way keeps its copy, so the source's chain runs once per step, and a run of dropped tensors
+between two kept ones is rebuilt together, as in Chen et al.'s checkpointing) or, for a chain
+without convolutions or inner products, private (the segment's own copy, the chain's time
+again). A segment may reach back up to SHORT_CHAIN dropped tensors deep (a derived term per
+segment and source says the segment rebuilds it); LONG_CHAIN where short chains fit nothing,
+and for the smallest plan. That is a mixed 0-1 program: minimize the time added such that the
+bytes at every step stay under the budget, solved by HiGHS's MILP solver (scipy.optimize.milp;
+the choices are binary, the derived terms continuous and at their bounds). The choice is then
+compiled; where the model was below the exact plan, the model learns the difference step by
+step and solves again, a few times, until the exact plan fits. Deterministic for a given cost model: the solver stops at an
 optimality gap or a node count, never on a clock, on one thread; train.py --plan-only uses
 fixed reference rates.
 
@@ -52,12 +53,15 @@ from .costmodel import step_flops
 from .errors import MinigistError
 from .memory import align
 from .memory.report import footprint_report, live_by_step
+from .passes.gist import dpr_applies
 from .pipeline import Options, compile
 from .program import INPUT, STASH
 
 KEEP = "fp32"
-RECOMPUTE = "recompute"                 # shared: a segment that rebuilds it on the way keeps it
-PRIVATE = "recompute-private"           # rebuilt on the way into a segment's own copy, replayed again later
+# recomputed (Options.recompute), shared (also in Options.recompute_shared: a segment that rebuilds
+# it on the way keeps it) or private (rebuilt on the way into a segment's own copy, replayed again)
+RECOMPUTE = "recompute-shared"
+PRIVATE = "recompute-private"
 ROUNDS = 5              # compiles of candidate plans per solve, at most
 # replays one segment chains, at most (its own tensor's, then its sources'): a budget is first
 # fitted with short chains (a smaller model, solved in seconds), with long ones only where short
@@ -126,7 +130,7 @@ class OptimizedPlan:
                 "predicted_step_s": self.predicted_seconds, "baseline_step_s": self.baseline_seconds,
                 "cost_model": self.cost_model.describe(), "cost_model_detail": self.cost_model.to_json(),
                 "overrides": dict(self.options.overrides), "recompute": list(self.options.recompute),
-                "recompute_shared": list(self.options.recompute_shared),
+                "recompute_shared": list(self.options.recompute_shared), "chunk_bytes": self.options.chunk_bytes,
                 "decisions": [d.to_json() for d in self.decisions]}
 
 
@@ -222,8 +226,7 @@ def lossy_overrides(graph, program, lossless, dpr):
         encoding = lossless.encodings.get(name)
         if encoding is not None and encoding.name == "ssdc":
             overrides[tensor] = f"ssdc-{dpr}"
-        elif (buffer.dtype == np.float32 and buffer.nbytes >= 4096 and len(buffer.shape) >= 2
-              and buffer.shape[0] == graph.batch_size):
+        elif dpr_applies(buffer, graph.batch_size):
             overrides[tensor] = dpr
     return overrides
 
@@ -300,7 +303,7 @@ class Optimizer:
         stashes = {}
         for name, buffer in program.buffers.items():
             if buffer.kind != "blob" or not (buffer.category == STASH or (
-                    self.lossy and buffer.category == INPUT and buffer.dtype == np.float32)):
+                    self.lossy and buffer.category == INPUT and dpr_applies(buffer, self.graph.batch_size))):
                 continue
             uses = [i for i, s in enumerate(program.steps) if name in set(s.buffer_names())]
             forward = [i for i in uses if i < self.first_backward]
@@ -475,12 +478,13 @@ class Optimizer:
 
         A recomputed tensor T's segment replays T's chain from its sources; a source that is
         recomputed too but not rebuilt yet (its first backward reader comes after T's) is
-        rebuilt on the way from its own sources, and so on up to `self.chain` tensors deep,
-        and keeps its copy (shared recomputation: its own segment then replays nothing, so its
-        chain's time counts once): a derived term per (T, source reached) says that T's
-        segment rebuilds it, and per source and step, that its copy is made by then (from the
-        first segment that rebuilds it to its own first reader). The segment's peak counts each
-        replay's scratch.
+        rebuilt on the way from its own sources, and so on up to `self.chain` tensors deep:
+        a derived term per (T, source reached) says that T's segment rebuilds it. Shared, the
+        source keeps that copy (its own segment then replays nothing: its chain's time counts
+        once), and a term per source and step says its copy is made by then (from the first
+        segment that rebuilds it to its own first reader). Private, the copy is the segment's
+        own, freed with it, and the source's chain runs again (a term carries that time). The
+        segment's peak counts each replay's scratch and the private copies it reads.
         A source read by a replay of T's segment in a code:
         - without values (a ReLU's 1-bit mask, its place in a pool's codes): forbidden, Gist
           gives a replay's source values;

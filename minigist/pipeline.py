@@ -79,10 +79,12 @@ class Options:
         object.__setattr__(self, "overrides", _frozen_items(self.overrides))
         object.__setattr__(self, "densities", _frozen_items(self.densities))
         for name in ("recompute", "recompute_shared"):
-            value = getattr(self, name)
-            if isinstance(value, str):     # one name, not its characters
+            value = getattr(self, name) or ()
+            # one name is not its characters; a number is no list
+            if isinstance(value, str) or not hasattr(value, "__iter__") or \
+                    not all(isinstance(tensor, str) for tensor in value):
                 raise MinigistError(f"{name}: expected a list of tensor names, got {value!r}")
-            object.__setattr__(self, name, tuple(dict.fromkeys(value or ())))
+            object.__setattr__(self, name, tuple(dict.fromkeys(value)))
         if self.alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {self.alloc!r}")
         if self.update not in UPDATES:
@@ -202,8 +204,8 @@ def check_conv_engine(conv, xp=np, dtype=np.float32):
 
 def report_extra(config, update, conv, graph):
     """The report's fields that say what the plan was made for."""
-    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize}, "update": update,
-             "conv": conv}
+    extra = {"gist": {"mode": config.mode, "dpr": config.dpr, "binarize": config.binarize,
+                      "lossless": config.exact}, "update": update, "conv": conv}
     if graph.added_loss:
         extra["added_loss"] = graph.added_loss
     return extra
@@ -212,14 +214,15 @@ def report_extra(config, update, conv, graph):
 def plan_footprint(model, batch_size=None, input_size=None, alloc="static", dtype=np.float32,
                    gist="none", dpr="fp16", binarize="fused", ssdc_density=None, update="separate",
                    conv="im2col", add_loss=False, input_channels=None, recompute=(), ranks=1, shard="none",
-                   bucket_bytes=DEFAULT_BUCKET_BYTES):
+                   bucket_bytes=DEFAULT_BUCKET_BYTES, recompute_shared=()):
     """The footprint report of one training iteration, computed from shapes alone: no array
     is allocated and nothing runs. SSDC is planned only for tensors given in `ssdc_density`
     (measured densities: a plan cannot see data). With `ranks` > 1: one rank's, `batch_size`
     (None: the model file's) being the global batch the ranks share (passes/reduce.py)."""
     options = Options(batch_size=batch_size, input_size=input_size, input_channels=input_channels, dtype=dtype,
                       conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, update=update,
-                      densities=ssdc_density, add_loss=add_loss, recompute=recompute, ranks=ranks, shard=shard,
+                      densities=ssdc_density, add_loss=add_loss, recompute=recompute,
+                      recompute_shared=recompute_shared, ranks=ranks, shard=shard,
                       bucket_bytes=bucket_bytes)
     return plan_report(model, per_rank(model, options))
 

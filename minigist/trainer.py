@@ -485,8 +485,8 @@ def choose_densities(path, args):
         source = choice
     if source is None:
         reason = why if choice == "auto" else "--densities none"
-        return None, (f"densities: none ({reason}): SSDC is planned nowhere, so this plan keeps those maps in "
-                      f"another encoding; train.py measures them when it trains, or pass --densities FILE")
+        return None, (f"densities: none ({reason}): SSDC is planned nowhere, so this plan keeps those maps "
+                      f"without it; train.py measures them when it trains, or pass --densities FILE")
     measured = read_densities(source, graph)
     args.ssdc_density = planned(measured)
     return source, (f"densities: {source} ({len(measured)} tensors measured; SSDC planned "
@@ -514,7 +514,8 @@ def footprint_lines(path, args, report):
     if args.gist != "none":
         base = plan_for(path, args, gist="none")["footprint_bytes"]
         saved = base - report["footprint_bytes"]
-        lines.append(f"without Gist:  {base:,} B ({_mib(base)}), alloc {report['alloc']}; Gist saves "
+        what = "the optimized plan" if args.optimize else "Gist"     # its recomputations too
+        lines.append(f"without Gist:  {base:,} B ({_mib(base)}), alloc {report['alloc']}; {what} saves "
                      f"{saved:,} B ({100.0 * saved / base:.1f}%)")
     else:
         lines.append("without Gist:  the same (this run uses --gist none)")

@@ -237,10 +237,11 @@ def test_shared_and_private_footprints():
 
 
 def test_shared_tensors_must_be_recomputed():
-    with pytest.raises(MinigistError, match=r"recompute_shared: 'conv1@conv1/relu' is not among the recomputed "
-                                            r"tensors$"):
-        compile(model("resnet20"), Options(batch_size=4, recompute=["res1a@res1a_relu"],
-                                           recompute_shared=["conv1@conv1/relu"]))
+    for recompute in (["res1a@res1a_relu"], []):
+        with pytest.raises(MinigistError, match=r"recompute_shared: 'conv1@conv1/relu' is not among the "
+                                                r"recomputed tensors \(recompute\)$"):
+            compile(model("resnet20"), Options(batch_size=4, recompute=recompute,
+                                               recompute_shared=["conv1@conv1/relu"]))
 
 
 def test_replays_decode_their_sources_into_copies_of_their_own():
@@ -357,8 +358,11 @@ def test_no_recomputation_leaves_the_program_alone():
 
 @pytest.mark.parametrize("tensor,message", [
     ("nonesuch", r"recompute: 'nonesuch' is no top of this net$"),
+    ("res1a", r"recompute: 'res1a' is not stashed \(no backward step reads it\); stashed under that name: "
+              r"res1a@res1a_relu$"),
     ("conv1.weight", r"recompute: 'conv1.weight' is no top of this net$"),
-    ("conv1", r"recompute: 'conv1' is not stashed \(no backward step reads it\)$"),
+    ("conv1", r"recompute: 'conv1' is not stashed \(no backward step reads it\); stashed under that name: "
+              r"conv1@conv1/bn, conv1@conv1/relu$"),
     ("data", r"recompute: 'data' is the net's input; it cannot be recomputed$"),
     ("res1a_branch2a/bn.inv_std",
      r"recompute: 'res1a_branch2a/bn.inv_std' is a layer's saved tensor; only tops can be recomputed$"),
@@ -375,6 +379,8 @@ def test_a_layer_that_cannot_be_replayed_is_refused(monkeypatch):
         compile(model("resnet20"), Options(batch_size=4, recompute=["conv1@conv1/relu"]))
 
 
-def test_one_name_is_not_a_list():
-    with pytest.raises(MinigistError, match="expected a list of tensor names"):
-        Options(recompute="conv1@conv1/relu")
+@pytest.mark.parametrize("value", ["conv1@conv1/relu", 5, [5]])
+@pytest.mark.parametrize("field", ["recompute", "recompute_shared"])
+def test_one_name_is_not_a_list(field, value):
+    with pytest.raises(MinigistError, match=f"^{field}: expected a list of tensor names"):
+        Options(**{field: value})

@@ -61,6 +61,13 @@ STREAM_MIN_BYTES = 4 << 20
 # would save as little and round the layer's whole input gradient.
 DPR_MIN_BYTES = 4096
 
+def dpr_applies(buffer, batch_size):
+    """Whether DPR may keep `buffer`: a float32 map of the batch (a batch axis first), of at
+    least DPR_MIN_BYTES."""
+    return (buffer.dtype == np.float32 and buffer.nbytes >= DPR_MIN_BYTES and len(buffer.shape) >= 2
+            and buffer.shape[0] == batch_size)
+
+
 @dataclass
 class Encoding:
     """How one stashed tensor is kept: reported in the footprint's stash table."""
@@ -122,8 +129,7 @@ class _Builder:
         return self.graph.node_of(buffer.layer)
 
     def dpr_applies(self, buffer):
-        return (self.config.lossy and buffer.dtype == np.float32 and buffer.nbytes >= DPR_MIN_BYTES
-                and len(buffer.shape) >= 2 and buffer.shape[0] == self.graph.batch_size)
+        return self.config.lossy and dpr_applies(buffer, self.graph.batch_size)
 
     def ssdc_codec(self, buffer):
         """SSDC sized by the measured density, if it beats the dense tensor; else None."""

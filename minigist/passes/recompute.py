@@ -87,12 +87,19 @@ class _Builder:
         if buffer is None:
             if any(b.kind == "saved" and b.tensor == tensor for b in self.program.buffers.values()):
                 raise MinigistError(f"recompute: '{tensor}' is a layer's saved tensor; only tops can be recomputed")
-            raise MinigistError(f"recompute: '{tensor}' is no top of this net")
+            raise MinigistError(f"recompute: '{tensor}' is no top of this net{self.hint(tensor)}")
         if buffer.category == INPUT:
             raise MinigistError(f"recompute: '{tensor}' is the net's input; it cannot be recomputed")
         if buffer.category != STASH:
-            raise MinigistError(f"recompute: '{tensor}' is not stashed (no backward step reads it)")
+            raise MinigistError(f"recompute: '{tensor}' is not stashed (no backward step reads it){self.hint(tensor)}")
         self.producer_step(name, tensor)
+
+    def hint(self, name):
+        """The stashed tops a user may mean by `name`: a top written in place by later layers is
+        stashed under TOP@LAYER (the stash table's names), and a layer's name ends some."""
+        stashed = [b.tensor for b in self.program.buffers.values() if b.kind == "blob" and b.category == STASH
+                   and (b.tensor.split("@")[0] == name or b.tensor.endswith(f"@{name}"))]
+        return f"; stashed under that name: {', '.join(stashed)}" if stashed else ""
 
     def producer_step(self, name, tensor):
         """The forward step index that writes blob buffer `name`, checked recomputable."""
@@ -203,13 +210,11 @@ def apply_recompute(program, tensors, shared=()):
     `shared` kept from the first segment that rebuilds them; `program` itself is left
     unchanged. An empty `tensors` returns `program` as it is."""
     tensors = tuple(tensors)
-    if not tensors:
-        if shared:
-            raise MinigistError(f"recompute_shared: {', '.join(shared)} not recomputed")
-        return program
     unknown = [tensor for tensor in shared if tensor not in tensors]
     if unknown:
-        raise MinigistError(f"recompute_shared: '{unknown[0]}' is not among the recomputed tensors")
+        raise MinigistError(f"recompute_shared: '{unknown[0]}' is not among the recomputed tensors (recompute)")
+    if not tensors:
+        return program
     builder = _Builder(program, tensors, shared)
     for tensor in tensors:
         builder.check(tensor)
