@@ -159,6 +159,22 @@ def test_training_steps_keep_cupy_rules(tiny, gist):
     assert report.summary()["kernels_per_step"] > 0
 
 
+@pytest.mark.parametrize("gist", ["lossless", "all"])
+def test_replays_keep_cupy_rules(gist):
+    """resnet20 with every other stash dropped, half of them shared: the replays and the decodes
+    each run of replays makes into a copy of its own keep the rules too."""
+    path = os.path.join(MODELS, "resnet20.prototxt")
+    program = minigist.compile(path, minigist.Options(batch_size=2)).program
+    stashed = [b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == "stash"]
+    dropped = stashed[::2]
+    report = check_training(path, gist, batch_size=2, steps=1, recompute=dropped, recompute_shared=dropped[::2])
+    assert report.all_violations() == [], report.lines()
+    assert report.summary()["host_syncs_per_step"] <= 2
+    steps = report.net.programs["train"].steps
+    assert any(s.kind == "recompute" for s in steps)
+    assert any(s.kind == "decode" and s.args["out"].partition("#")[2] for s in steps)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["vgg_small", "resnet20", "inception_small"])
 @pytest.mark.parametrize("gist", ["none", "all"])     # all: SSDC as lossless has it, and DPR

@@ -34,16 +34,18 @@ def test_a_dry_run_writes_every_section_and_skips_what_needs_a_gpu(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     names = sorted(os.listdir(out))
     assert names == ["01-environment.json", "02-pytest-gpu.json", "03-codec-bytes.json", "04-layer-kernels.json",
-                     "05-dropout.json", "06-training.json", "07-checkpoint.json", "08-pool-peak.json",
-                     "09-timing.json", "summary.json"]
+                     "05-dropout.json", "06-training.json", "07-recompute.json", "08-checkpoint.json",
+                     "09-pool-peak.json", "10-timing.json", "summary.json"]
     records = {name: json.loads((out / name).read_text()) for name in names if name != "summary.json"}
     status = {r["section"]: r["status"] for r in records.values()}
     assert status == {"environment": "passed", "pytest-gpu": "skipped", "codec-bytes": "passed",
-                      "layer-kernels": "skipped", "dropout": "passed", "training": "passed", "checkpoint": "passed",
+                      "layer-kernels": "skipped", "dropout": "passed", "training": "passed", "recompute": "passed",
+                      "checkpoint": "passed",
                       "pool-peak": "skipped", "timing": "skipped"}
     assert all(r["reason"] for r in records.values() if r["status"] == "skipped")
     assert len(records["03-codec-bytes.json"]["result"]) > 15
-    assert result.stdout.strip().splitlines()[-1] == "sections: 5 passed, 0 failed, 4 skipped"
+    assert any(c.startswith("recompute") for c in records["07-recompute.json"]["result"][0]["choices"])
+    assert result.stdout.strip().splitlines()[-1] == "sections: 6 passed, 0 failed, 4 skipped"
 
 
 def test_no_section_starts_past_the_deadline(tmp_path):
@@ -51,7 +53,7 @@ def test_no_section_starts_past_the_deadline(tmp_path):
     records = [json.loads((out / name).read_text()) for name in sorted(os.listdir(out)) if name != "summary.json"]
     assert all(r["status"] == "skipped" for r in records)
     assert records[0]["reason"] == "the deadline (0 s) had passed"
-    assert result.stdout.strip().splitlines()[-1] == "sections: 0 passed, 0 failed, 9 skipped"
+    assert result.stdout.strip().splitlines()[-1] == "sections: 0 passed, 0 failed, 10 skipped"
 
 
 @pytest.mark.slow

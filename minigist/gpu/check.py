@@ -194,10 +194,13 @@ def _batches(net, count, seed=RNG_SEED):
     return [relu_like_batch(shape, classes, seed + k) for k in range(count)]
 
 
+def _path(model):
+    return model if model.endswith(".prototxt") else os.path.join(MODELS_DIR, model + ".prototxt")
+
+
 def _trained(model, device, gist, steps, batch_size, conv="im2col"):
     from ..net import Net
-    path = model if model.endswith(".prototxt") else os.path.join(MODELS_DIR, model + ".prototxt")
-    net = Net(path, batch_size=batch_size, device=device, gist=gist, conv=conv, update="fused", seed=0)
+    net = Net(_path(model), batch_size=batch_size, device=device, gist=gist, conv=conv, update="fused", seed=0)
     batches = _batches(net, steps + 1)
     if net.gist.lossless:
         net.calibrate([batches[0]])
@@ -227,6 +230,38 @@ def train_cpu_and_gpu(model, steps=5, batch_size=32, modes=("none", "lossless", 
         result["lossless_bit_identical_on_gpu"] = bool(
             result["modes"]["none"]["gpu_losses"] == result["modes"]["lossless"]["gpu_losses"]
             and all(np.array_equal(weights["none"][k], weights["lossless"][k]) for k in weights["none"]))
+    return result
+
+
+def optimized_training(model, steps=3, batch_size=32, device="gpu"):
+    """Every lossless choice minigist.optimize can make for `model` (fp32, each encoding, shared
+    and private recomputation; stash i takes its option i + shift, for shifts 0 and 1, SSDC at
+    densities calibrated on the CPU), trained `steps` steps on `device`: the same losses and
+    weights, bit for bit, as `none` there."""
+    from ..costmodel import reference_model
+    from ..net import Net
+    from ..optimize import Optimizer
+    from ..pipeline import Options
+    path = _path(model)
+    plain, expected = _trained(model, device, "none", steps, batch_size)
+    weights = {k: np.array(to_numpy(v)) for k, v in plain.params().items()}
+    calibrated = Net(path, batch_size=batch_size, gist="lossless", conv="im2col", update="fused", seed=0)
+    batches = _batches(calibrated, steps + 1)
+    calibrated.calibrate([batches[0]])
+    optimizer = Optimizer(path, calibrated.options.replace(device="cpu"), reference_model())
+    result = {"model": model, "steps": steps, "batch_size": batch_size, "none_losses": expected, "plans": [],
+              "choices": {}}
+    for shift in range(2):
+        choice = {tensor: stash.options[(index + shift) % len(stash.options)]
+                  for index, (tensor, stash) in enumerate(optimizer.stashes.items())}
+        net = Net(path, plan=type("Plan", (), {"options": optimizer.options_for(choice)})(), device=device, seed=0)
+        losses = [net.train_step(*b) for b in batches[1:]]
+        for option in choice.values():
+            result["choices"][option.name] = result["choices"].get(option.name, 0) + 1
+        result["plans"].append({"losses": losses, "footprint_bytes": net.report()["footprint_bytes"],
+                                "bit_identical": bool(losses == expected and all(
+                                    np.array_equal(np.array(to_numpy(v)), weights[k]) for k, v in net.params().items()))})
+    result["bit_identical"] = all(p["bit_identical"] for p in result["plans"])
     return result
 
 
