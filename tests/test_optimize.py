@@ -256,6 +256,23 @@ def test_cli_plan_only_prints_decisions_and_writes_the_optimizer_object(tmp_path
     assert optimizer["cost_model_detail"]["gemm_flops"] == REFERENCE_GEMM_FLOPS
     assert 0 < optimizer["predicted_overhead"] < 1
     assert {"tensor", "layer", "choice", "bytes_saved", "time_added_s"} <= set(optimizer["decisions"][0])
+    assert {"recompute", "recompute_shared", "chunk_bytes"} <= set(optimizer) and report["gist"]["lossless"]
+
+
+def test_a_lossy_plan_is_rebuilt_from_its_json_and_says_it_loses_precision(tmp_path, capsys):
+    """--gist all at a budget only smaller chunks reach: the JSON's overrides, recomputed
+    tensors and chunks compile to the plan's footprint, and the report says DPR is in it."""
+    report_path = tmp_path / "r.json"
+    assert train.main(["--model", "resnet20", "--batch-size", "4", "--memory-budget", "6MB", "--optimize",
+                       "--plan-only", "--conv", "im2col", "--gist", "all", "--report-json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    optimizer = report["optimizer"]
+    assert report["gist"]["mode"] == "lossless" and report["gist"]["lossless"] is False
+    assert optimizer["chunk_bytes"] == SMALL_CHUNK_BYTES      # its own chunks' smallest plan: 7,643,136 B
+    rebuilt = Options(batch_size=4, update="fused", overrides=optimizer["overrides"], recompute=optimizer["recompute"],
+                      recompute_shared=optimizer["recompute_shared"], chunk_bytes=optimizer["chunk_bytes"])
+    compiled = compile(model("resnet20"), rebuilt)
+    assert compiled.plan.footprint_bytes == report["footprint_bytes"]
 
 
 @pytest.mark.slow
