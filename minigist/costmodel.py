@@ -17,17 +17,23 @@ Two kinds, and the report names which one a plan was made with:
   short profiling run (`profile`: a few iterations of the programs the optimizer chooses
   from, each step timed on its own, the median kept), looked up by what the step runs; a
   step that was not profiled falls back to the FLOP model, scaled by how the profiled steps
-  compared with it.
+  compared with it: GEMM steps by how the profiled GEMM steps did, the rest (decodes,
+  elementwise steps) by how the profiled rest did, since a CPU misses the reference rates by
+  different factors for the two. A forward step that writes over its input (the in-place
+  pass pairs them when nothing later reads the input, as when it is recomputed) moves fewer
+  bytes than the same step out of place (a replay always runs out of place); when only the
+  other form was profiled, its time is scaled by the two forms' predicted times.
 
 Either way the predicted time of a program is the sum of its steps' times, so that a plan's
 prediction is read off its real, compiled program.
 """
 import math
 import time
+import weakref
 
 import numpy as np
 
-from .program import WORKSPACE
+from .program import WORKSPACE, names_in
 
 # the step kinds a layer's own code runs (a replay is its forward once more)
 _LAYER_KINDS = ("forward", "backward", "recompute")
@@ -58,16 +64,40 @@ def step_bytes(step, buffers):
                if name in buffers and buffers[name].category != WORKSPACE)
 
 
-def signature(step):
+def _output_bytes(step, buffers):
+    return sum(buffers[name].nbytes for name in names_in(step.args.get("y")) if name in buffers)
+
+
+def runs_in_place(step, program):
+    """Whether a forward step writes its output over its input (an in-place pair of `program`)."""
+    if step.kind != "forward" or not program.inplace:
+        return False
+    pairs = _inplace_sets.get(program)
+    if pairs is None:
+        pairs = _inplace_sets[program] = frozenset(program.inplace)
+    return any((x, y) in pairs for x in names_in(step.args.get("x")) for y in names_in(step.args.get("y")))
+
+
+_inplace_sets = weakref.WeakKeyDictionary()
+
+
+def signature(step, program=None):
     """What a step runs, as a key that holds across programs: a replay runs its layer's forward;
-    a chunked layer's key names its chunk size."""
+    a chunked layer's key names its chunk size; given its program, a forward step that runs in
+    place says so."""
     kind = "forward" if step.kind == "recompute" else step.kind
     name = step.layer.name if step.layer is not None else (step.note or str(step.args.get("target", "")))
     if step.kind == "update":     # a layer's weights and bias are updated by two steps
         name = f"{name}:{step.args.get('param')}"
     op = "" if step.op is None or step.kind == "recompute" else type(step.op).__name__
     chunk = getattr(step.layer, "chunk_bytes", None)    # a layer's time depends on its batch chunks
-    return (kind, name, op) if chunk is None else (kind, name, op, chunk)
+    key = (kind, name, op) if chunk is None else (kind, name, op, chunk)
+    if program is not None and runs_in_place(step, program):
+        key += (IN_PLACE,)
+    return key
+
+
+IN_PLACE = "in place"
 
 
 # The reference rates: what measure_rates found, with one BLAS thread, on the machine the
@@ -116,30 +146,46 @@ class MeasuredModel:
         self.seconds = dict(seconds)
         self.fallback = fallback
         self.programs_profiled = programs_profiled
-        self.scale = 1.0
+        self.gemm_scale = self.bytes_scale = 1.0
 
     def calibrate(self, programs):
-        """Scale the fallback by measured / predicted over the profiled steps of `programs`."""
-        measured = predicted = 0.0
+        """Scale the fallback by measured / predicted over the profiled steps of `programs`: one
+        scale for the steps with GEMM flops, one for the others (each 1 where none was profiled)."""
+        measured, predicted = [0.0, 0.0], [0.0, 0.0]
         for program in programs:
             for step in program.steps:
-                key = signature(step)
+                key = signature(step, program)
                 if key in self.seconds:
-                    measured += self.seconds[key]
-                    predicted += self.fallback.step_seconds(step, program)
-        self.scale = measured / predicted if predicted > 0 else 1.0
+                    gemm = int(step_flops(step) > 0)
+                    measured[gemm] += self.seconds[key]
+                    predicted[gemm] += self.fallback.step_seconds(step, program)
+        self.bytes_scale, self.gemm_scale = (m / p if p > 0 else 1.0 for m, p in zip(measured, predicted))
 
     def step_seconds(self, step, program):
-        seconds = self.seconds.get(signature(step))
-        if seconds is None:
-            return self.scale * self.fallback.step_seconds(step, program)
-        return seconds
+        key = signature(step, program)
+        seconds = self.seconds.get(key)
+        if seconds is not None:
+            return seconds
+        output = self.bytes_seconds(_output_bytes(step, program.buffers))
+        if key[-1] == IN_PLACE:
+            # its output's write no longer streams to a buffer of its own: at most half the time saved
+            out_of_place = self.seconds.get(key[:-1])
+            if out_of_place is None:
+                out_of_place = self._scaled(step, program)
+            return max(out_of_place - output, out_of_place / 2)
+        if key + (IN_PLACE,) in self.seconds:       # a replay of a step profiled in place
+            return self.seconds[key + (IN_PLACE,)] + output
+        return self._scaled(step, program)
+
+    def _scaled(self, step, program):
+        scale = self.gemm_scale if step_flops(step) > 0 else self.bytes_scale
+        return scale * self.fallback.step_seconds(step, program)
 
     def program_seconds(self, program):
         return sum(self.step_seconds(step, program) for step in program.steps)
 
     def bytes_seconds(self, nbytes):
-        return self.scale * self.fallback.bytes_seconds(nbytes)
+        return self.bytes_scale * self.fallback.bytes_seconds(nbytes)
 
     def describe(self):
         return (f"measured: each step timed on this machine ({self.programs_profiled} programs profiled, "
@@ -208,5 +254,5 @@ def profile(nets, inputs, repeats=5):
                     bound()
                     spent = time.perf_counter() - tick
                     if run:
-                        samples.setdefault(signature(step), []).append(spent)
+                        samples.setdefault(signature(step, program), []).append(spent)
     return {key: float(np.median(values)) for key, values in samples.items()}

@@ -346,7 +346,7 @@ def test_the_measured_cost_model_times_every_program_it_chooses_from(tiny):
     assert measured.kind == "measured" and measured.programs_profiled == 6
     kinds = {key[0] for key in measured.seconds}
     assert {"forward", "backward", "encode", "decode"} <= kinds
-    chunks = {key[3] for key in measured.seconds if len(key) == 4}
+    chunks = {key[3] for key in measured.seconds if len(key) >= 4 and isinstance(key[3], int)}
     assert SMALL_CHUNK_BYTES in chunks and len(chunks) > 1
 
 
