@@ -22,7 +22,8 @@ Two kinds, and the report names which one a plan was made with:
   different factors for the two. A forward step that writes over its input (the in-place
   pass pairs them when nothing later reads the input, as when it is recomputed) moves fewer
   bytes than the same step out of place (a replay always runs out of place); when only the
-  other form was profiled, its time is scaled by the two forms' predicted times.
+  other form was profiled, its time less (or plus) the time its output's bytes take at the
+  profiled memory rate, never less than half.
 
 Either way the predicted time of a program is the sum of its steps' times, so that a plan's
 prediction is read off its real, compiled program.
@@ -68,6 +69,10 @@ def _output_bytes(step, buffers):
     return sum(buffers[name].nbytes for name in names_in(step.args.get("y")) if name in buffers)
 
 
+IN_PLACE = "in place"       # the last entry of an in-place step's signature
+_inplace_sets = weakref.WeakKeyDictionary()     # program -> its in-place pairs, as a set
+
+
 def runs_in_place(step, program):
     """Whether a forward step writes its output over its input (an in-place pair of `program`)."""
     if step.kind != "forward" or not program.inplace:
@@ -76,9 +81,6 @@ def runs_in_place(step, program):
     if pairs is None:
         pairs = _inplace_sets[program] = frozenset(program.inplace)
     return any((x, y) in pairs for x in names_in(step.args.get("x")) for y in names_in(step.args.get("y")))
-
-
-_inplace_sets = weakref.WeakKeyDictionary()
 
 
 def signature(step, program=None):
@@ -95,9 +97,6 @@ def signature(step, program=None):
     if program is not None and runs_in_place(step, program):
         key += (IN_PLACE,)
     return key
-
-
-IN_PLACE = "in place"
 
 
 # The reference rates: what measure_rates found, with one BLAS thread, on the machine the
