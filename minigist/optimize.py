@@ -78,7 +78,7 @@ TIME_GAP = 1e-2
 NODE_LIMIT = 3000
 # the share of its work HiGHS gives its primal heuristics when it minimizes time (its default
 # 0.05): a fit's search is mostly spent finding a good plan, not proving one. Inception-v3's
-# fp16 fit at 1400 MiB: 141 s -> 81 s; ResNet-50's lossless fit at 1.8 GiB: 37 s at the node
+# fp16 fit at 1400 MiB: 140 s -> 81 s; ResNet-50's lossless fit at 1.8 GiB: 37 s at the node
 # limit -> 30 s within the gap, a plan as fast or faster (the peak's solves keep the default)
 TIME_HEURISTIC_EFFORT = 0.2
 _MIB = float(1 << 20)   # the solver works in MiB
@@ -104,6 +104,14 @@ class Decision:
     def to_json(self):
         return {"tensor": self.tensor, "layer": self.layer, "choice": self.choice, "raw_bytes": self.raw_bytes,
                 "bytes_saved": self.bytes_saved, "time_added_s": self.seconds_added}
+
+
+class Settings:
+    """Options in the form Net(plan=...) takes: a plan's settings without its decisions (the
+    profiling run's variants, a check's hand-made choices)."""
+
+    def __init__(self, options):
+        self.options = options
 
 
 @dataclass

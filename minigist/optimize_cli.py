@@ -11,7 +11,7 @@ import math
 
 from .costmodel import MeasuredModel, flop_model, profile, reference_model
 from .errors import MinigistError
-from .optimize import SMALL_CHUNK_BYTES, Optimizer, dominated_by, lossy_overrides
+from .optimize import SMALL_CHUNK_BYTES, Optimizer, Settings, dominated_by, lossy_overrides
 from .pipeline import plan_report
 
 FRONTIER_POINTS = 8
@@ -180,13 +180,13 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
     variants = [base.replace(gist="none"), base.replace(gist="lossless")]
     nets = []
     try:
-        nets = [Net(model, threads=threads, plan=_Settings(variant)) for variant in variants]
+        nets = [Net(model, threads=threads, plan=Settings(variant)) for variant in variants]
         if lossy:
             plain, lossless = nets[0].compiled["train"], nets[1].compiled["train"]
             dpr = lossy_overrides(plain.graph, plain.program, lossless.program, options.dpr)
             variants = [variants[0], variants[1], base.replace(gist="lossless", overrides=dpr)]
-            nets.append(Net(model, threads=threads, plan=_Settings(variants[2])))
-            nets += [Net(model, threads=threads, plan=_Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))
+            nets.append(Net(model, threads=threads, plan=Settings(variants[2])))
+            nets += [Net(model, threads=threads, plan=Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))
                      for v in variants]
         seconds = profile(nets, batch, repeats=PROFILE_REPEATS)
     except MinigistError as exc:
@@ -195,13 +195,6 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
     measured = MeasuredModel(seconds, fallback, len(nets))
     measured.calibrate([n.compiled["train"].program for n in nets])
     return measured
-
-
-class _Settings:
-    """Options in the form Net(plan=...) takes."""
-
-    def __init__(self, options):
-        self.options = options
 
 
 def fit_training_net(net, batch, args, out=print):

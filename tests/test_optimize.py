@@ -17,7 +17,7 @@ from minigist.costmodel import REFERENCE_GEMM_FLOPS, FlopModel, profile, step_fl
 from minigist.errors import MinigistError  # noqa: E402
 from minigist.memory.report import live_by_step  # noqa: E402
 from minigist.memory.report import footprint_report  # noqa: E402
-from minigist.optimize import PRIVATE, RECOMPUTE, SMALL_CHUNK_BYTES, Optimizer, _on_base, _positions  # noqa: E402
+from minigist.optimize import PRIVATE, RECOMPUTE, SMALL_CHUNK_BYTES, Optimizer, Settings, _on_base, _positions  # noqa: E402
 from minigist.optimize_cli import FRONTIER_POINTS, frontier, profiled_model  # noqa: E402
 from minigist.pipeline import Options, compile  # noqa: E402
 from test_gist import batches, model  # noqa: E402
@@ -204,7 +204,7 @@ def test_every_lossless_choice_trains_bit_identically(name):
         choice = round_robin(optimizer, shift)
         kinds.update(option.name for option in choice.values())
         chosen = optimizer.options_for(choice)
-        net, losses = train_net(name, data, plan=type("Plan", (), {"options": chosen})())
+        net, losses = train_net(name, data, plan=Settings(chosen))
         assert_same_training(reference, expected, net, losses)
     assert {"fp32", RECOMPUTE, PRIVATE} <= kinds and len(kinds) >= 4, kinds
 

@@ -63,7 +63,7 @@ class GistConfig:
         """Whether training loses no precision: no DPR by the mode or by an override (an fp16
         override, or SSDC with fp16 values, under a lossless mode: what minigist.optimize
         chooses under --gist all)."""
-        return not self.lossy and not any(name in DPR_FORMATS or name[len("ssdc-"):] in DPR_FORMATS
+        return not self.lossy and not any(name.removeprefix("ssdc-") in DPR_FORMATS
                                           for name in self.overrides.values())
 
     def __repr__(self):

@@ -240,7 +240,7 @@ def optimized_training(model, steps=3, batch_size=32, device="gpu"):
     weights, bit for bit, as `none` there."""
     from ..costmodel import reference_model
     from ..net import Net
-    from ..optimize import Optimizer
+    from ..optimize import Optimizer, Settings
     from ..pipeline import Options
     path = _path(model)
     plain, expected = _trained(model, device, "none", steps, batch_size)
@@ -254,7 +254,7 @@ def optimized_training(model, steps=3, batch_size=32, device="gpu"):
     for shift in range(2):
         choice = {tensor: stash.options[(index + shift) % len(stash.options)]
                   for index, (tensor, stash) in enumerate(optimizer.stashes.items())}
-        net = Net(path, plan=type("Plan", (), {"options": optimizer.options_for(choice)})(), device=device, seed=0)
+        net = Net(path, plan=Settings(optimizer.options_for(choice)), device=device, seed=0)
         losses = [net.train_step(*b) for b in batches[1:]]
         for option in choice.values():
             result["choices"][option.name] = result["choices"].get(option.name, 0) + 1

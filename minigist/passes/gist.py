@@ -61,6 +61,7 @@ STREAM_MIN_BYTES = 4 << 20
 # would save as little and round the layer's whole input gradient.
 DPR_MIN_BYTES = 4096
 
+
 def dpr_applies(buffer, batch_size):
     """Whether DPR may keep `buffer`: a float32 map of the batch (a batch axis first), of at
     least DPR_MIN_BYTES."""
