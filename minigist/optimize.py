@@ -76,6 +76,12 @@ SMALL_CHUNK_BYTES = 256 << 10
 PEAK_GAP = 5e-3
 TIME_GAP = 1e-2
 NODE_LIMIT = 3000
+# where short chains fit nothing, a fit asks whether long ones reach its budget at all with one
+# solve of the smallest plan at this node count: the answer (and the error's smallest footprint
+# when they do not) in under two minutes where three at NODE_LIMIT took 20 on ResNet-50 under
+# --gist all. Its bound decides: a budget below it is refused, one above it is searched in
+# full. smallest() and within() (the frontier) keep NODE_LIMIT
+FIT_CHECK_NODE_LIMIT = 200
 # the share of its work HiGHS gives its primal heuristics when it minimizes time (its default
 # 0.05): a fit's search is mostly spent finding a good plan, not proving one. Inception-v3's
 # fp16 fit at 1400 MiB: 140 s -> 81 s; ResNet-50's lossless fit at 1.8 GiB: 37 s at the node
@@ -294,6 +300,8 @@ class Optimizer:
             self._add_recompute_option(stash)
         self._drop_idle_private()
         self.chain = None
+        # what the last peak-minimizing solve proved of the modelled peak (bytes; 0: nothing)
+        self.peak_bound = self.first_peak_bound = 0
         self._use_chain(SHORT_CHAIN)
         # the model is exact where it was measured: start from the lossless rules everywhere
         self.correction = np.zeros(self.steps)
@@ -655,7 +663,7 @@ class Optimizer:
         return real - (self._curve(choice) - self.correction)
 
     # ---- solving -------------------------------------------------------------------------
-    def _solve(self, cap_bytes=None, cap_seconds=None, minimize_peak=False):
+    def _solve(self, cap_bytes=None, cap_seconds=None, minimize_peak=False, node_limit=NODE_LIMIT):
         """{tensor: option} minimizing the time added under the peak cap (or the peak under the
         time cap, ties to the least time); None when the model has no solution."""
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -743,15 +751,23 @@ class Optimizer:
         if minimize_peak:       # the peak, ties to the least time (1% of the step weighs 0.1 MiB)
             objective = np.array(seconds) * (0.1 / (0.01 * self.base_seconds))
             objective[peak] = 1.0
-            options = {"mip_rel_gap": PEAK_GAP, "node_limit": NODE_LIMIT}
+            options = {"mip_rel_gap": PEAK_GAP, "node_limit": node_limit}
         else:
             objective = np.array(seconds)
-            options = {"mip_rel_gap": TIME_GAP, "node_limit": NODE_LIMIT,
+            options = {"mip_rel_gap": TIME_GAP, "node_limit": node_limit,
                        "mip_heuristic_effort": TIME_HEURISTIC_EFFORT}
         with warnings.catch_warnings():     # scipy passes HiGHS's own options on, with a warning
             warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
             result = milp(objective, integrality=integrality, bounds=Bounds(low, high), constraints=constraints,
                           options=options)
+        if minimize_peak:
+            self.peak_bound = 0
+        if minimize_peak and result.mip_dual_bound is not None:
+            # the solver's bound is on the peak plus the weighted time: less the most time any
+            # choice can weigh, it bounds the modelled peak of every choice
+            most = sum(max(0.0, objective[start:end].max()) for start, end in ranges)
+            most += np.maximum(objective[aux_start:peak], 0.0).sum()
+            self.peak_bound = int((result.mip_dual_bound - most) * _MIB)
         if result.x is None:
             return self._no_answer(result)
         return {tensor: option for column, (tensor, option) in enumerate(columns) if result.x[column] > 0.5}
@@ -815,7 +831,8 @@ class Optimizer:
 
     def fit(self, budget):
         """The plan of least predicted time whose exact footprint fits `budget` bytes; a
-        MinigistError naming the smallest footprint reachable when none does. Under lossy
+        MinigistError naming the smallest footprint found, and the model's bound, when none
+        does. Under lossy
         modes, smaller batch chunks where short recomputation chains fit nothing at the
         layers' own."""
         floor, at, parts = self.floor()
@@ -870,12 +887,16 @@ class Optimizer:
         if plan is not None or short_only:
             return plan
         # past what short chains reach: the smallest plan first (a solve that always has an
-        # answer; proving that none fits a budget takes the solver far longer), then, where it
-        # fits, the least time with long chains
-        smallest = self._smallest()
+        # answer; proving that none fits a budget takes the solver far longer), searched in
+        # full only where the quick search's bound leaves room for a plan within the budget;
+        # then, where it fits, the least time with long chains
+        smallest = self._smallest(node_limit=FIT_CHECK_NODE_LIMIT, rounds=1)
+        if smallest.footprint_bytes > budget >= self.first_peak_bound:
+            smallest = self._smallest()
         if smallest.footprint_bytes > budget:
-            raise MinigistError(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint reachable "
-                                f"{self.mode_words()} is {smallest.footprint_bytes:,} bytes; {dominated_by(smallest)}")
+            raise MinigistError(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint the optimizer "
+                                f"found {self.mode_words()} is {smallest.footprint_bytes:,} bytes (none below "
+                                f"{max(self.first_peak_bound, 0):,} in its model); {dominated_by(smallest)}")
         plan = self._fit_rounds(budget)
         if plan is not None and plan.predicted_seconds <= smallest.predicted_seconds:
             return plan
@@ -904,17 +925,22 @@ class Optimizer:
             return "with fp32, lossless encodings and recomputation"
         return f"with fp32, lossless encodings, {self.options.dpr}, recomputation and smaller batch chunks"
 
-    def _smallest(self, cap_seconds=None):
+    def _smallest(self, cap_seconds=None, node_limit=NODE_LIMIT, rounds=3):
         """The plan of the smallest exact footprint the model finds (the least time among
         equals), within `cap_seconds` of predicted time added to this optimizer's own
         unoptimized program when given; None when the model finds none within it. Long
         recomputation chains for the smallest of all, short ones under a time cap (long chains
-        cost more time than such caps allow)."""
+        cost more time than such caps allow). Up to `rounds` solves of `node_limit` nodes, each
+        after learning from the plan the one before compiled; the first one's bound on the
+        modelled peak (bytes) is left in `first_peak_bound`."""
         best, bias = None, 0.0
         self._use_chain(LONG_CHAIN if cap_seconds is None else SHORT_CHAIN)
         self.correction = self.initial_correction
-        for round_index in range(3):
-            choice = self._solve(cap_seconds=None if cap_seconds is None else cap_seconds - bias, minimize_peak=True)
+        for round_index in range(rounds):
+            choice = self._solve(cap_seconds=None if cap_seconds is None else cap_seconds - bias, minimize_peak=True,
+                                 node_limit=node_limit)
+            if round_index == 0:    # the model as it starts, before a round learns more bytes
+                self.first_peak_bound = self.peak_bound
             if choice is None:
                 break
             plan = self._compiled_plan(choice, None)
