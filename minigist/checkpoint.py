@@ -217,8 +217,10 @@ def model_change(then, now):
 # the configuration a checkpoint records; a resumed run takes it for the settings it does not give
 RESUME_KEYS = ("model", "data", "holdout", "input_size", "batch_size", "crop_pad", "flip", "lr", "warmup", "lr_step",
                "lr_gamma", "momentum", "weight_decay", "bn_average", "seed", "gist", "dpr", "conv", "threads",
-               "add_loss")
+               "add_loss", "memory_budget", "optimize")
 CONFIG_EXTRA_KEYS = ("epochs", "iters", "alloc", "device")
+# keys a checkpoint written before they were recorded lacks: its run resumes as it did then
+OPTIONAL_CONFIG_KEYS = ("memory_budget", "optimize")
 # what a resume may change: the learning-rate schedule (e.g. after a NaN loss)
 RESUME_CHANGEABLE = ("lr", "warmup", "lr_step", "lr_gamma")
 
@@ -226,6 +228,7 @@ RESUME_CHANGEABLE = ("lr", "warmup", "lr_step", "lr_gamma")
 META_SCHEMA = {"format": "int", "config": "dict", "data": "dict", "iteration": "count", "epoch": "count",
                "batch_in_epoch": "count", "data_rng": "dict?", "net_rng": "dict?", "history": "list",
                "epoch_losses": "list", "digest": "str", "model": "list", "changes": "list"}
+# and, from a run with --optimize, "optimizer": the plan's choices (check_optimized_plan)
 
 
 def json_default(value):
@@ -306,9 +309,12 @@ def check_meta(meta, check_config=None):
     """Raise ValueError naming the first field of a checkpoint's metadata that is missing or
     not of the kind a training run writes (and, through `check_config`, out of range)."""
     check_fields(meta, META_SCHEMA, "the metadata")
-    check_fields(meta["config"], {key: "any?" for key in RESUME_KEYS + CONFIG_EXTRA_KEYS}, "the configuration")
+    check_fields(meta["config"], {key: "any?" for key in RESUME_KEYS + CONFIG_EXTRA_KEYS
+                                  if key not in OPTIONAL_CONFIG_KEYS}, "the configuration")
     if check_config is not None:
         check_config(meta["config"])
+    if meta.get("optimizer") is not None:
+        check_optimized_plan(meta["optimizer"])
     for name in ("data_rng", "net_rng"):
         if meta[name] is not None:     # the bit generator's own check of its state
             rng = CounterRNG(0) if meta[name].get("bit_generator") == CounterRNG.NAME else np.random.default_rng(0)
@@ -320,6 +326,18 @@ def check_meta(meta, check_config=None):
     if not all(isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)
                for item in meta["model"]):
         raise ValueError("the metadata's model definition is not a list of [layer, definition] pairs")
+
+
+def check_optimized_plan(entry):
+    """Raise ValueError unless `entry` is the choices of an optimized plan as a training run
+    records them (OptimizedPlan.to_json's overrides, recompute, recompute_shared, chunk_bytes)."""
+    check_fields(entry, {"overrides": "dict", "recompute": "list", "recompute_shared": "list",
+                         "chunk_bytes": "count?"}, "the optimized plan")
+    names = list(entry["overrides"].items()) + [(t, "") for t in entry["recompute"] + entry["recompute_shared"]]
+    if not all(isinstance(name, str) and isinstance(choice, str) for name, choice in names):
+        raise ValueError("the optimized plan names a tensor or an encoding that is not a string")
+    if not set(entry["recompute_shared"]) <= set(entry["recompute"]):
+        raise ValueError("the optimized plan shares a recomputed copy of a tensor it does not recompute")
 
 
 def checkpoint_iteration(folder):
@@ -365,8 +383,12 @@ def apply_checkpoint_config(options, given, meta, folder):
                 changed[key] = [stored[key], getattr(options, key)]
                 continue
             flag = "--" + key.replace("_", "-")
-            raise MinigistError(f"--resume: the checkpoint in {folder} was made with {flag} {stored[key]}, "
-                                f"not {getattr(options, key)} (drop {flag} to continue with the checkpoint's)")
+            if stored[key] is None or isinstance(stored[key], bool):    # a flag alone, or no value then
+                made = f"with {flag}" if stored[key] else f"without {flag}"
+            else:
+                made = f"with {flag} {stored[key]}, not {getattr(options, key)}"
+            raise MinigistError(f"--resume: the checkpoint in {folder} was made {made} (drop {flag} to continue "
+                                f"with the checkpoint's)")
         setattr(options, key, stored[key])
     if "epochs" not in given and "iters" not in given:
         options.epochs, options.iters = stored.get("epochs"), stored.get("iters")

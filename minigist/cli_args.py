@@ -130,7 +130,7 @@ def explicit_flags(make_parser, argv):
 
 
 # settings a checkpoint may record as null: "not given, the model file's or the data's"
-_MAY_BE_NULL = ("epochs", "iters", "input_size", "batch_size", "crop_pad")
+_MAY_BE_NULL = ("epochs", "iters", "input_size", "batch_size", "crop_pad", "memory_budget")
 
 
 def config_checker(parser, keys):
@@ -140,6 +140,8 @@ def config_checker(parser, keys):
 
     def check(config):
         for key in keys:
+            if key not in config:       # one check_meta allows to be absent (an earlier run's checkpoint)
+                continue
             value, action = config[key], actions[key]
             if value is None and key in _MAY_BE_NULL:
                 continue

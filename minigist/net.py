@@ -188,7 +188,7 @@ class Net:
                                             overrides=plan.options.overrides, recompute=plan.options.recompute,
                                             recompute_shared=plan.options.recompute_shared,
                                             densities=plan.options.densities, chunk_bytes=plan.options.chunk_bytes)
-        self.optimized = plan
+        self.optimized = plan if hasattr(plan, "decisions") else None
         self._build()
 
     def set_densities(self, densities):

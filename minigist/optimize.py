@@ -120,6 +120,22 @@ class Settings:
         self.options = options
 
 
+class RecordedPlan(Settings):
+    """An optimized plan's choices read back from its JSON (OptimizedPlan.to_json, as a
+    checkpoint holds it) over `options`: Net applies them and reports the record."""
+
+    def __init__(self, options, record):
+        super().__init__(options.replace(gist="lossless", overrides=record["overrides"],
+                                         recompute=tuple(record["recompute"]),
+                                         recompute_shared=tuple(record["recompute_shared"]),
+                                         chunk_bytes=record["chunk_bytes"]))
+        self.record = dict(record)
+        self.decisions = list(record.get("decisions", []))
+
+    def to_json(self):
+        return dict(self.record)
+
+
 @dataclass
 class OptimizedPlan:
     """A plan the optimizer chose: `options` compile to `compiled` (the exact plan); the

@@ -11,7 +11,7 @@ import math
 
 from .costmodel import MeasuredModel, flop_model, profile, reference_model
 from .errors import MinigistError
-from .optimize import SMALL_CHUNK_BYTES, Optimizer, Settings, dominated_by, lossy_overrides
+from .optimize import SMALL_CHUNK_BYTES, Optimizer, RecordedPlan, Settings, dominated_by, lossy_overrides
 from .pipeline import plan_report
 
 FRONTIER_POINTS = 8
@@ -212,4 +212,21 @@ def fit_training_net(net, batch, args, out=print):
     net.optimized = plan
     for line in plan_lines(plan):
         out(line)
+    return plan
+
+
+def restore_training_plan(net, record, out=print):
+    """--resume of a run with --optimize: the checkpoint's plan (`record`, its choices) applied
+    to `net` again, not a new fit: a new profiling run may time this machine otherwise, and
+    under --gist all another choice of DPR or of batch chunks would change the arithmetic of
+    the rest of the run (a resumed run ends with the weights of an uninterrupted one)."""
+    plan = RecordedPlan(net.options, record)
+    try:
+        net.apply_plan(plan)
+    except (KeyError, ValueError) as exc:
+        raise MinigistError(f"--resume: the checkpoint's optimized plan does not apply to this model: {exc}") from None
+    footprint = net.report()["footprint_with_evaluation_bytes"]
+    out(f"optimizer: the checkpoint's plan ({len(plan.options.overrides)} encodings chosen, "
+        f"{len(plan.options.recompute)} tensors recomputed), footprint {footprint:,} B ({_mib(footprint)}); "
+        f"the fit chose it at {record.get('footprint_bytes', 0):,} B")
     return plan

@@ -787,7 +787,10 @@ class Trainer:
             calibration = [data.train_batch(p, calib_rng, part=part) for p in picks]
             net.calibrate(calibration, margin=MARGIN)
             measured_densities = f"measured on {len(picks)} training batches"
-            if args.optimize:       # the plan that fits the budget, chosen with the measured densities
+            if args.optimize and resumed is not None and resumed[0].get("optimizer") is not None:
+                from .optimize_cli import restore_training_plan
+                restore_training_plan(net, resumed[0]["optimizer"], out)
+            elif args.optimize:     # the plan that fits the budget, chosen with the measured densities
                 from .optimize_cli import fit_training_net
                 fit_training_net(net, calibration[0], args, out)
         if calibrates and args.memory_budget is not None:
@@ -865,6 +868,8 @@ class Trainer:
                     "iteration": iteration, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                     "data_rng": rng_state(data_rng), "net_rng": rng_state(net.rng), "history": history,
                     "epoch_losses": epoch_losses if batch_in_epoch else [], "model": model_now, "changes": changes}
+            if net.optimized is not None:   # a resume applies the same choices (no new fit)
+                meta["optimizer"] = net.optimized.to_json()
             if self.comm is not None:       # the state is whole; each rank's Dropout stream is its own
                 meta["distributed"] = distributed.checkpoint_entry(self.comm, args.shard, rng_state(net.rng))
                 meta["net_rng"] = meta["distributed"]["net_rngs"][0]

@@ -19,6 +19,8 @@ from minigist.memory.report import live_by_step  # noqa: E402
 from minigist.memory.report import footprint_report  # noqa: E402
 from minigist.optimize import (FIT_CHECK_NODE_LIMIT, NODE_LIMIT, PRIVATE, RECOMPUTE, SMALL_CHUNK_BYTES,  # noqa: E402
                                Optimizer, Settings, _on_base, _positions)
+from minigist import optimize_cli  # noqa: E402
+from minigist.checkpoint import check_optimized_plan, read_checkpoint  # noqa: E402
 from minigist.optimize_cli import FRONTIER_POINTS, frontier, profiled_model  # noqa: E402
 from minigist.pipeline import Options, compile  # noqa: E402
 from test_gist import batches, model  # noqa: E402
@@ -287,6 +289,52 @@ def test_cli_plan_only_prints_decisions_and_writes_the_optimizer_object(tmp_path
     assert 0 < optimizer["predicted_overhead"] < 1
     assert {"tensor", "layer", "choice", "bytes_saved", "time_added_s"} <= set(optimizer["decisions"][0])
     assert {"recompute", "recompute_shared", "chunk_bytes"} <= set(optimizer) and report["gist"]["lossless"]
+
+
+@pytest.mark.slow
+def test_a_resumed_optimized_run_keeps_its_plan_and_ends_with_the_uninterrupted_weights(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """--gist all: the checkpoint holds the plan's choices and the budget, and a resume applies
+    them without a new fit (a new profiling run times the machine anew, and another choice of
+    DPR or chunks changes the arithmetic): 2 + 2 iterations end with the weights of 4. (The
+    profiling run is replaced by the fixed cost model: the two runs then choose alike.)"""
+    fits = []
+
+    def fixed_cost(*args, **kwargs):
+        fits.append(args)
+        return COST
+    monkeypatch.setattr(optimize_cli, "profiled_model", fixed_cost)
+    common = ["--model", "resnet20", "--batch-size", "4", "--gist", "all", "--memory-budget", "6MB", "--optimize",
+              "--conv", "im2col", "--threads", "1", "--data", "synthetic", "--holdout", "0.02", "--train-eval-size",
+              "0", "--eval-every", "0"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert train.main(common + ["--iters", "4", "--checkpoint", str(whole)]) == 0
+    assert train.main(common + ["--iters", "2", "--checkpoint", str(part)]) == 0
+    assert len(fits) == 2
+    capsys.readouterr()
+    assert train.main(["--checkpoint", str(part), "--resume", "--iters", "4"]) == 0
+    assert len(fits) == 2 and "optimizer: the checkpoint's plan" in capsys.readouterr().out
+    (meta_whole, _, whole_values), (meta_part, _, part_values) = read_checkpoint(str(whole)), read_checkpoint(str(part))
+    chosen = meta_part["optimizer"]
+    assert chosen["overrides"] and chosen["footprint_bytes"] <= 6_000_000 == meta_part["config"]["memory_budget"]
+    assert all(chosen[k] == meta_whole["optimizer"][k] for k in ("overrides", "recompute", "recompute_shared",
+                                                                  "chunk_bytes"))
+    assert whole_values.keys() == part_values.keys()
+    for key in whole_values:
+        assert np.array_equal(whole_values[key], part_values[key]), key
+    assert train.main(["--checkpoint", str(part), "--resume", "--iters", "5", "--memory-budget", "7MB"]) == 2
+    assert "was made with --memory-budget 6000000, not 7000000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage, named", [({"recompute": "conv1"}, "'recompute'"),
+                                           ({"overrides": {"conv1": 16}}, "not a string"),
+                                           ({"recompute_shared": ["a"]}, "does not recompute"),
+                                           ({"chunk_bytes": -1}, "'chunk_bytes'")])
+def test_a_checkpoints_damaged_plan_is_named(damage, named):
+    record = {"overrides": {"conv1": "fp16"}, "recompute": ["b"], "recompute_shared": [], "chunk_bytes": None}
+    check_optimized_plan(record)
+    with pytest.raises(ValueError, match=named):
+        check_optimized_plan(dict(record, **damage))
 
 
 def test_a_lossy_plan_is_rebuilt_from_its_json_and_says_it_loses_precision(tmp_path, capsys):
