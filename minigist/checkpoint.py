@@ -384,11 +384,13 @@ def apply_checkpoint_config(options, given, meta, folder):
                 continue
             flag = "--" + key.replace("_", "-")
             if stored[key] is None or isinstance(stored[key], bool):    # a flag alone, or no value then
-                made = f"with {flag}" if stored[key] else f"without {flag}"
+                made, keep = (f"with {flag}", "the checkpoint's") if stored[key] else (f"without {flag}", "without it")
             else:
-                made = f"with {flag} {stored[key]}, not {getattr(options, key)}"
+                shown = (lambda v: f"{v:,} B") if key == "memory_budget" else str
+                made = f"with {flag} {shown(stored[key])}, not {shown(getattr(options, key))}"
+                keep = "the checkpoint's"
             raise MinigistError(f"--resume: the checkpoint in {folder} was made {made} (drop {flag} to continue "
-                                f"with the checkpoint's)")
+                                f"with {keep})")
         setattr(options, key, stored[key])
     if "epochs" not in given and "iters" not in given:
         options.epochs, options.iters = stored.get("epochs"), stored.get("iters")

@@ -99,6 +99,12 @@ class Net:
             given = dict(batch_size=batch_size, input_size=input_size, input_channels=input_channels, conv=conv,
                          alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, update=update, add_loss=add_loss)
             _refuse_plan_conflicts(plan.options, given)
+            owned = dict(gist_overrides=gist_overrides, ssdc_density=ssdc_density, recompute=recompute,
+                         recompute_shared=recompute_shared)
+            for name, value in owned.items():   # what a plan chooses itself
+                if value:
+                    raise MinigistError(f"plan: it chooses {name} itself; leave {name} out, or compile without a "
+                                        f"plan")
             self.options = plan.options.replace(device=device, dtype=dtype, budget=memory_budget)
         self.optimized = plan if hasattr(plan, "decisions") else None
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
@@ -597,7 +603,8 @@ def default_threads(conv):
 
 def _refuse_plan_conflicts(options, given):
     """A setting given beside a plan that differs from the plan's own would be silently
-    overruled by it (a batch of 8 against a plan for 32 failed only at the first step)."""
+    overruled by it (a batch of 8 against a plan for 32 failed only at the first step). One
+    left at Net's default takes the plan's (a default given explicitly cannot be told apart)."""
     defaults = inspect.signature(Net.__init__).parameters
     for name, value in given.items():
         planned = getattr(options, name)

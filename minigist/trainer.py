@@ -329,6 +329,12 @@ def _probe_writable(flag, path):
 def check_output_paths(args):
     """Every file the run will write, checked before anything runs: its folder exists, it is
     not a folder itself, and it can be written (and --log is refused where nothing trains)."""
+    if args.summary:    # the layer table alone: a file or a plan asked for too would silently not come
+        for flag, given in (("--report-json", args.report_json), ("--plot", args.plot), ("--trace", args.trace),
+                            ("--optimize", args.optimize or None)):
+            if given is not None:
+                raise MinigistError(f"{flag}: --summary prints the layer table and nothing else (drop --summary "
+                                    f"for the plan)")
     if args.log is not None and (args.plan_only or args.summary):
         raise MinigistError(f"--log: the metrics of a training run; {'--plan-only' if args.plan_only else '--summary'} "
                             f"trains nothing (--report-json writes the plan)")
@@ -591,6 +597,10 @@ class Trainer:
                                          input_channels=args.input_channels)))
             return None
         if args.plan_only:
+            if resumed is not None and resumed[0].get("optimizer") is not None:
+                raise MinigistError(f"--plan-only: the checkpoint in {args.checkpoint} holds the plan its run fitted "
+                                    f"with --optimize to the densities it measured; --resume trains with that plan, "
+                                    f"where a plan from shapes alone would be another fit")
             return self._plan_only(path)
         return self._train(path, resumed, schedule_change, threads_from)
 

@@ -323,7 +323,9 @@ def test_a_resumed_optimized_run_keeps_its_plan_and_ends_with_the_uninterrupted_
     for key in whole_values:
         assert np.array_equal(whole_values[key], part_values[key]), key
     assert train.main(["--checkpoint", str(part), "--resume", "--iters", "5", "--memory-budget", "7MB"]) == 2
-    assert "was made with --memory-budget 6000000, not 7000000" in capsys.readouterr().err
+    assert "was made with --memory-budget 6,000,000 B, not 7,000,000 B" in capsys.readouterr().err
+    assert train.main(["--checkpoint", str(part), "--resume", "--plan-only"]) == 2
+    assert "--plan-only: the checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage, named", [({"recompute": "conv1"}, "'recompute'"),
@@ -452,3 +454,19 @@ def test_settings_that_conflict_with_a_plan_are_refused():
     minigist.Net(model("resnet20"), plan=plan, batch_size=BATCH)        # the plan's own value is no conflict
     with pytest.raises(MinigistError, match="plan: expected what minigist.optimize returns"):
         minigist.Net(model("resnet20"), plan="plan.json")
+
+
+def test_settings_a_plan_chooses_are_refused_beside_it():
+    plan = minigist.optimize(model("resnet20"), "9.2MB", batch_size=BATCH, cost_model=COST)
+    for name, value in (("recompute", ["conv1@conv1/relu"]), ("gist_overrides", {"conv1": "fp32"}),
+                        ("ssdc_density", {"conv1@conv1/relu": 0.5}), ("recompute_shared", ["conv1@conv1/relu"])):
+        with pytest.raises(MinigistError, match=f"plan: it chooses {name} itself"):
+            minigist.Net(model("resnet20"), plan=plan, **{name: value})
+
+
+@pytest.mark.parametrize("flag", [["--report-json", "r.json"], ["--optimize", "--memory-budget", "40MiB"]])
+def test_summary_refuses_what_it_would_not_do(flag, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--model", "resnet20", "--summary", *flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag[0]}: --summary prints the layer table and nothing else" in err
