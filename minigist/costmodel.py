@@ -15,8 +15,10 @@ Two kinds, and the report names which one a plan was made with:
   forward step costs.
 - `MeasuredModel` (a training run): the times of the steps measured on this machine by a
   short profiling run (`profile`: a few iterations of the programs the optimizer chooses
-  from, each step timed on its own, the median kept), looked up by what the step runs; a
-  step that was not profiled falls back to the FLOP model, scaled by how the profiled steps
+  from and of one that recomputes every stash, each step timed on its own, the median kept),
+  looked up by what the step runs (a replay apart from its forward step: its inputs were just
+  rebuilt, and it ran 11% faster on inception_small; its forward's time where no replay of
+  it was profiled); a step that was not profiled falls back to the FLOP model, scaled by how the profiled steps
   compared with it: GEMM steps by how the profiled GEMM steps did, the rest (decodes,
   elementwise steps) by how the profiled rest did, since a CPU misses the reference rates by
   different factors for the two. A forward step that writes over its input (the in-place
@@ -26,7 +28,9 @@ Two kinds, and the report names which one a plan was made with:
   profiled memory rate, never less than half.
 
 Either way the predicted time of a program is the sum of its steps' times, so that a plan's
-prediction is read off its real, compiled program.
+prediction is read off its real, compiled program; but a program the profiling run timed is
+predicted at its own time (the sum of its steps' medians as timed in it): the unoptimized
+plan's steps took up to 4% longer in it than their medians over every program profiled.
 """
 import math
 import time
@@ -84,10 +88,10 @@ def runs_in_place(step, program):
 
 
 def signature(step, program=None):
-    """What a step runs, as a key that holds across programs: a replay runs its layer's forward;
-    a chunked layer's key names its chunk size; given its program, a forward step that runs in
-    place says so."""
-    kind = "forward" if step.kind == "recompute" else step.kind
+    """What a step runs, as a key that holds across programs: a replay ("recompute") runs its
+    layer's forward, keyed apart (its inputs were just rebuilt or decoded); a chunked layer's
+    key names its chunk size; given its program, a forward step that runs in place says so."""
+    kind = step.kind
     name = step.layer.name if step.layer is not None else (step.note or str(step.args.get("target", "")))
     if step.kind == "update":     # a layer's weights and bias are updated by two steps
         name = f"{name}:{step.args.get('param')}"
@@ -137,14 +141,22 @@ class FlopModel:
                 "bandwidth_bytes_per_s": self.bandwidth}
 
 
+def program_key(program):
+    """What a program runs, step by step, as a key that holds across compiles of it."""
+    return tuple(signature(step, program) for step in program.steps)
+
+
 class MeasuredModel:
-    """Step times measured by `profile`, by `signature`; the FLOP model, scaled, elsewhere."""
+    """Step times measured by `profile`, by `signature`; the FLOP model, scaled, elsewhere.
+    `own`: {program_key: seconds} of the programs profiled, each its steps' medians as timed in
+    it: such a program is predicted at its own time."""
     kind = "measured"
 
-    def __init__(self, seconds, fallback, programs_profiled):
+    def __init__(self, seconds, fallback, programs_profiled, own=None):
         self.seconds = dict(seconds)
         self.fallback = fallback
         self.programs_profiled = programs_profiled
+        self.own = dict(own or {})
         self.gemm_scale = self.bytes_scale = 1.0
 
     def calibrate(self, programs):
@@ -165,6 +177,11 @@ class MeasuredModel:
         seconds = self.seconds.get(key)
         if seconds is not None:
             return seconds
+        if key[0] == "recompute":     # a replay not profiled as one: its forward's time
+            key = ("forward",) + key[1:]
+            seconds = self.seconds.get(key)
+            if seconds is not None:
+                return seconds
         output = self.bytes_seconds(_output_bytes(step, program.buffers))
         if key[-1] == IN_PLACE:
             # its output's write no longer streams to a buffer of its own: at most half the time saved
@@ -181,6 +198,12 @@ class MeasuredModel:
         return scale * self.fallback.step_seconds(step, program)
 
     def program_seconds(self, program):
+        """A profiled program's own time (a step shared with the other programs profiled can
+        run slower in this one: on inception_small, `none`'s steps took 3% longer in it than
+        their medians over every program said); the sum of its steps' times elsewhere."""
+        own = self.own.get(program_key(program)) if self.own else None
+        if own is not None:
+            return own
         return sum(self.step_seconds(step, program) for step in program.steps)
 
     def bytes_seconds(self, nbytes):
@@ -241,17 +264,28 @@ def profile(nets, inputs, repeats=5):
     `repeats` + 1 times on `inputs` (the first a warm-up), the nets taking turns run by run
     (a machine's drift then reaches every net alike), no update steps' effects kept out: the
     profiled nets are throwaway copies, not the one that trains."""
-    samples = {}
+    return profile_programs(nets, inputs, repeats)[0]
+
+
+def profile_programs(nets, inputs, repeats=5):
+    """`profile`'s {signature: median seconds} over all of `nets`, and {program_key: seconds}
+    of each net's training program: the sum of its steps' medians as timed in it."""
+    samples, own = {}, []
+    for net in nets:
+        program = net.compiled["train"].program
+        own.append((program_key(program), [[] for _ in program.steps]))
     for run in range(repeats + 1):
-        for net in nets:
+        for net, (_, per_step) in zip(nets, own):
             executor = net.executors["train"]
             program = net.compiled["train"].program
             with net._threads():
                 net._feeder("train", inputs)(executor.arrays)
-                for step, bound in zip(program.steps, executor.steps):
+                for index, (step, bound) in enumerate(zip(program.steps, executor.steps)):
                     tick = time.perf_counter()
                     bound()
                     spent = time.perf_counter() - tick
                     if run:
                         samples.setdefault(signature(step, program), []).append(spent)
-    return {key: float(np.median(values)) for key, values in samples.items()}
+                        per_step[index].append(spent)
+    return ({key: float(np.median(values)) for key, values in samples.items()},
+            {key: float(sum(np.median(values) for values in per_step)) for key, per_step in own})

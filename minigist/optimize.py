@@ -94,7 +94,8 @@ def _require_scipy():
     try:
         from scipy.optimize import milp  # noqa: F401
     except ImportError:
-        raise MinigistError("--optimize needs scipy (HiGHS's MILP solver): pip install 'minigist[optimize]'") from None
+        raise MinigistError("--optimize needs scipy (HiGHS's MILP solver): pip install -e '.[optimize]' in minigist's "
+                           "folder, or pip install scipy") from None
 
 
 @dataclass

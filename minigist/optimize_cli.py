@@ -9,10 +9,11 @@ decisions and draws the frontier.
 
 import math
 
-from .costmodel import MeasuredModel, flop_model, profile, reference_model
+from .costmodel import MeasuredModel, flop_model, profile_programs, reference_model
 from .errors import MinigistError
 from .optimize import SMALL_CHUNK_BYTES, Optimizer, RecordedPlan, Settings, dominated_by, lossy_overrides
 from .pipeline import plan_report
+from .program import STASH
 
 FRONTIER_POINTS = 8
 # timed iterations of each profiled program: on a shared 2-core machine a program's time moves
@@ -80,7 +81,8 @@ def frontier(optimizer, points=FRONTIER_POINTS, each=None):
     return plans
 
 
-FRONTIER_HEADER = ["frontier (budget against predicted overhead, from no optimization down to the smallest plan):",
+FRONTIER_HEADER = ["frontier (budget against predicted overhead, budgets from the unoptimized plan's footprint down to "
+                   "the smallest plan's):",
                    "  budget            footprint         vs fp32   predicted overhead"]
 
 
@@ -172,8 +174,9 @@ def plan_only(path, options, args, out=print):
 def profiled_model(model, options, batch, lossy, threads=None, out=print):
     """The measured cost model of a training run: throwaway nets under the programs the
     optimizer chooses from (every stash kept; the lossless rules; under lossy modes DPR
-    everywhere it applies, and the three again at SMALL_CHUNK_BYTES), each step timed on
-    `batch`. Falls back to the FLOP model where those nets do not fit this machine."""
+    everywhere it applies, and the three again at SMALL_CHUNK_BYTES) and one that recomputes
+    every stash (at both chunk sizes under lossy modes), each step timed on `batch`, and each
+    program's own time kept. Falls back to the FLOP model where those nets do not fit this machine."""
     from .net import Net
     fallback = flop_model(seconds=0.25)     # for steps not profiled, scaled to the profiled ones
     base = options.replace(overrides=(), recompute=(), recompute_shared=(), budget=None, chunk_bytes=None)
@@ -188,13 +191,32 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
             nets.append(Net(model, threads=threads, plan=Settings(variants[2])))
             nets += [Net(model, threads=threads, plan=Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))
                      for v in variants]
-        seconds = profile(nets, batch, repeats=PROFILE_REPEATS)
+        nets += _replaying_nets(model, base, nets[0], threads)
+        if lossy:       # the smaller chunks' replays too
+            nets += _replaying_nets(model, base.replace(chunk_bytes=SMALL_CHUNK_BYTES), nets[0], threads)
+        seconds, own = profile_programs(nets, batch, repeats=PROFILE_REPEATS)
     except MinigistError as exc:
         out(f"cost model: FLOPs and bytes (the profiling run could not run here: {exc})")
         return fallback
-    measured = MeasuredModel(seconds, fallback, len(nets))
+    measured = MeasuredModel(seconds, fallback, len(nets), own)
     measured.calibrate([n.compiled["train"].program for n in nets])
     return measured
+
+
+def _replaying_nets(model, base, plain, threads):
+    """A net that drops every stash and rebuilds it (shared), so that replays and the decodes
+    they need are timed as they run: a replay took 11% less than its forward step on
+    inception_small (its inputs were just rebuilt). None where the model has no such program."""
+    from .net import Net
+    program = plain.compiled["train"].program
+    stashed = tuple(sorted({b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == STASH}))
+    if not stashed:
+        return []
+    try:
+        return [Net(model, threads=threads, plan=Settings(base.replace(gist="lossless", recompute=stashed,
+                                                                        recompute_shared=stashed)))]
+    except MinigistError:
+        return []
 
 
 def fit_training_net(net, batch, args, out=print):

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("scipy", reason="the optimizer needs scipy (pip install 'minigist[optimize]')")
 
 import minigist  # noqa: E402
-from minigist.costmodel import REFERENCE_GEMM_FLOPS, FlopModel, profile, step_flops  # noqa: E402
+from minigist.costmodel import REFERENCE_GEMM_FLOPS, FlopModel, profile, program_key, step_flops  # noqa: E402
 from minigist.errors import MinigistError  # noqa: E402
 from minigist.memory.report import live_by_step  # noqa: E402
 from minigist.memory.report import footprint_report  # noqa: E402
@@ -418,14 +418,18 @@ def test_a_budget_only_smaller_chunks_reach_trains_with_them(resnet20):
 
 def test_the_measured_cost_model_times_every_program_it_chooses_from(tiny):
     """Under --gist all: every stash kept, the lossless rules, DPR wherever it applies (not on a
-    pool's argmax, which an override by the pool's name would reach), each at the layers' own
-    chunks and at the small ones."""
+    pool's argmax, which an override by the pool's name would reach), every stash recomputed,
+    each at the layers' own chunks and at the small ones. Each program is predicted at its own
+    time, the sum of its steps' medians as timed in it."""
     rng = np.random.default_rng(0)
     batch = (rng.standard_normal((2, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, 2))
     measured = profiled_model(tiny.model, tiny.options, batch, lossy=True, threads=1)
-    assert measured.kind == "measured" and measured.programs_profiled == 6
+    assert measured.kind == "measured" and measured.programs_profiled == 8 == len(measured.own)
     kinds = {key[0] for key in measured.seconds}
-    assert {"forward", "backward", "encode", "decode"} <= kinds
+    assert {"forward", "backward", "encode", "decode", "recompute"} <= kinds
+    plain = tiny.base.program
+    assert measured.program_seconds(plain) == measured.own[program_key(plain)]
+    assert measured.program_seconds(plain) != sum(measured.step_seconds(step, plain) for step in plain.steps)
     chunks = {key[3] for key in measured.seconds if len(key) >= 4 and isinstance(key[3], int)}
     assert SMALL_CHUNK_BYTES in chunks and len(chunks) > 1
 
