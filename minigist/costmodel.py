@@ -18,10 +18,10 @@ Two kinds, and the report names which one a plan was made with:
   from and of one that recomputes every stash, each step timed on its own, the median kept),
   looked up by what the step runs (a replay apart from its forward step: its inputs were just
   rebuilt, and it ran 11% faster on inception_small; its forward's time where no replay of
-  it was profiled); a step that was not profiled falls back to the FLOP model, scaled by how the profiled steps
-  compared with it: GEMM steps by how the profiled GEMM steps did, the rest (decodes,
-  elementwise steps) by how the profiled rest did, since a CPU misses the reference rates by
-  different factors for the two. A forward step that writes over its input (the in-place
+  it was profiled); a step that was not profiled falls back to the FLOP model, scaled by how
+  the profiled steps compared with it: GEMM steps by how the profiled GEMM steps did, the
+  rest (decodes, elementwise steps) by how the profiled rest did, since a CPU misses the
+  reference rates by different factors for the two. A forward step that writes over its input (the in-place
   pass pairs them when nothing later reads the input, as when it is recomputed) moves fewer
   bytes than the same step out of place (a replay always runs out of place); when only the
   other form was profiled, its time less (or plus) the time its output's bytes take at the
@@ -199,7 +199,7 @@ class MeasuredModel:
 
     def program_seconds(self, program):
         """A profiled program's own time (a step shared with the other programs profiled can
-        run slower in this one: on inception_small, `none`'s steps took 3% longer in it than
+        run slower in this one: on inception_small, `none`'s steps took 0-4% longer in it than
         their medians over every program said); the sum of its steps' times elsewhere."""
         own = self.own.get(program_key(program)) if self.own else None
         if own is not None:
