@@ -206,7 +206,8 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
 def _replaying_nets(model, base, plain, threads):
     """A net that drops every stash and rebuilds it (shared), so that replays and the decodes
     they need are timed as they run: a replay took 11% less than its forward step on
-    inception_small (its inputs were just rebuilt). None where the model has no such program."""
+    inception_small (its inputs were just rebuilt). No net where there is no stash, or where
+    that program cannot be built here."""
     from .net import Net
     program = plain.compiled["train"].program
     stashed = tuple(sorted({b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == STASH}))
