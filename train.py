@@ -68,7 +68,8 @@ from minigist.net import MAX_DEFAULT_THREADS  # noqa: E402
 from minigist.passes.reduce import DEFAULT_BUCKET_BYTES, SHARDS  # noqa: E402
 from minigist.pipeline import CONV_CHOICES, UPDATES  # noqa: E402
 from minigist.trainer import (DEFAULT_DATA, DEFAULT_EPOCHS, DEFAULT_LR, DEFAULT_LR_GAMMA, DEFAULT_LR_STEP,  # noqa: E402
-                              DEFAULT_MODEL, MODEL_LR, MODEL_WARMUP, RunOptions, Trainer, bundled_models)
+                              DEFAULT_MODEL, MODEL_LR, MODEL_WARMUP, RunOptions, Trainer, bundled_models,
+                              optimize_hint)
 
 
 HELP_EPILOG = f"""\
@@ -328,7 +329,7 @@ def main(argv=None):
     except MachineMemoryError as exc:     # the machine is the limit: its message names the flags that change it
         return _error(trainer, str(exc))
     except MemoryBudgetError as exc:
-        return _error(trainer, f"--memory-budget: {exc}")
+        return _error(trainer, f"--memory-budget: {exc}{optimize_hint(trainer.args)}")
     except RankTimeoutError as exc:
         return _error(trainer, str(exc), every_rank=True)
     except MinigistError as exc:

@@ -326,6 +326,13 @@ def _probe_writable(flag, path):
         os.remove(path)
 
 
+def optimize_hint(args):
+    """What a budget too small for the plan asked for can try, where the run did not: --optimize."""
+    if getattr(args, "optimize", False) or args.alloc != "static":
+        return ""
+    return "; --optimize fits a budget by keeping, encoding or recomputing each stashed map (docs/memory.md)"
+
+
 def check_output_paths(args):
     """Every file the run will write, checked before anything runs: its folder exists, it is
     not a folder itself, and it can be written (and --log is refused where nothing trains)."""
@@ -685,9 +692,9 @@ class Trainer:
             try:        # the same check as a training run's, with its largest buffers
                 shapes_only_plan(path, args).check_budget(args.memory_budget)
             except MemoryBudgetError as exc:
-                raise MinigistError(f"--memory-budget: {exc}") from None
+                raise MinigistError(f"--memory-budget: {exc}{optimize_hint(args)}") from None
             raise MinigistError(f"--memory-budget: the {args.alloc} plan needs {report['footprint_bytes']:,} "
-                                f"bytes, the budget allows {args.memory_budget:,} bytes")
+                                f"bytes, the budget allows {args.memory_budget:,} bytes{optimize_hint(args)}")
         out(format_report(report))
         if densities_line:
             out(densities_line)

@@ -474,3 +474,14 @@ def test_summary_refuses_what_it_would_not_do(flag, tmp_path, monkeypatch, capsy
     assert train.main(["--model", "resnet20", "--summary", *flag]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{flag[0]}: --summary prints the layer table and nothing else" in err
+
+
+def test_a_budget_too_small_for_the_plan_asked_for_points_to_optimize(capsys):
+    """Without --optimize a budget below the plan is refused with the way to fit it; with
+    --optimize the refusal is the optimizer's own."""
+    argv = ["--model", "resnet20", "--batch-size", "4", "--memory-budget", "9.2MB", "--plan-only", "--conv", "im2col"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "largest buffers" in err and "; --optimize fits a budget by keeping" in err
+    assert train.main(argv + ["--optimize", "--memory-budget", "1MB"]) == 2
+    assert "--optimize fits" not in capsys.readouterr().err
