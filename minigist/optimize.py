@@ -318,7 +318,7 @@ class Optimizer:
         self._drop_idle_private()
         self.chain = None
         # what the last peak-minimizing solve proved of the modelled peak (bytes; 0: nothing)
-        self.peak_bound = self.first_peak_bound = 0
+        self.peak_bound = 0
         self._use_chain(SHORT_CHAIN)
         # the model is exact where it was measured: start from the lossless rules everywhere
         self.correction = np.zeros(self.steps)
@@ -778,13 +778,12 @@ class Optimizer:
             result = milp(objective, integrality=integrality, bounds=Bounds(low, high), constraints=constraints,
                           options=options)
         if minimize_peak:
-            self.peak_bound = 0
-        if minimize_peak and result.mip_dual_bound is not None:
             # the solver's bound is on the peak plus the weighted time: less the most time any
             # choice can weigh, it bounds the modelled peak of every choice
             most = sum(max(0.0, objective[start:end].max()) for start, end in ranges)
             most += np.maximum(objective[aux_start:peak], 0.0).sum()
-            self.peak_bound = int((result.mip_dual_bound - most) * _MIB)
+            found = result.mip_dual_bound
+            self.peak_bound = 0 if found is None else int((found - most) * _MIB)
         if result.x is None:
             return self._no_answer(result)
         return {tensor: option for column, (tensor, option) in enumerate(columns) if result.x[column] > 0.5}
@@ -908,12 +907,13 @@ class Optimizer:
         # full only where the quick search's bound leaves room for a plan within the budget;
         # then, where it fits, the least time with long chains
         smallest = self._smallest(node_limit=FIT_CHECK_NODE_LIMIT, rounds=1)
-        if smallest.footprint_bytes > budget >= self.first_peak_bound:
+        bound = self.peak_bound
+        if smallest.footprint_bytes > budget >= bound:
             smallest = self._smallest()
         if smallest.footprint_bytes > budget:
             raise MinigistError(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint the optimizer "
                                 f"found {self.mode_words()} is {smallest.footprint_bytes:,} bytes (none below "
-                                f"{max(self.first_peak_bound, 0):,} in its model); {dominated_by(smallest)}")
+                                f"{max(bound, 0):,} in its model); {dominated_by(smallest)}")
         plan = self._fit_rounds(budget)
         if plan is not None and plan.predicted_seconds <= smallest.predicted_seconds:
             return plan
@@ -948,16 +948,14 @@ class Optimizer:
         unoptimized program when given; None when the model finds none within it. Long
         recomputation chains for the smallest of all, short ones under a time cap (long chains
         cost more time than such caps allow). Up to `rounds` solves of `node_limit` nodes, each
-        after learning from the plan the one before compiled; the first one's bound on the
-        modelled peak (bytes) is left in `first_peak_bound`."""
+        after learning from the plan the one before compiled; the last one's bound on the
+        modelled peak (bytes) is left in `peak_bound`."""
         best, bias = None, 0.0
         self._use_chain(LONG_CHAIN if cap_seconds is None else SHORT_CHAIN)
         self.correction = self.initial_correction
         for round_index in range(rounds):
             choice = self._solve(cap_seconds=None if cap_seconds is None else cap_seconds - bias, minimize_peak=True,
                                  node_limit=node_limit)
-            if round_index == 0:    # the model as it starts, before a round learns more bytes
-                self.first_peak_bound = self.peak_bound
             if choice is None:
                 break
             plan = self._compiled_plan(choice, None)

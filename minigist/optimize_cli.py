@@ -191,9 +191,9 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
             nets.append(Net(model, threads=threads, plan=Settings(variants[2])))
             nets += [Net(model, threads=threads, plan=Settings(v.replace(chunk_bytes=SMALL_CHUNK_BYTES)))
                      for v in variants]
-        nets += _replaying_nets(model, base, nets[0], threads)
-        if lossy:       # the smaller chunks' replays too
-            nets += _replaying_nets(model, base.replace(chunk_bytes=SMALL_CHUNK_BYTES), nets[0], threads)
+        # the smaller chunks' replays too under lossy modes
+        chunked = [base.replace(chunk_bytes=SMALL_CHUNK_BYTES)] if lossy else []
+        nets += _replaying_nets(model, [base] + chunked, nets[0], threads)
         seconds, own = profile_programs(nets, batch, repeats=PROFILE_REPEATS)
     except MinigistError as exc:
         out(f"cost model: FLOPs and bytes (the profiling run could not run here: {exc})")
@@ -203,21 +203,24 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
     return measured
 
 
-def _replaying_nets(model, base, plain, threads):
-    """A net that drops every stash and rebuilds it (shared), so that replays and the decodes
-    they need are timed as they run: a replay took 11% less than its forward step on
-    inception_small (its inputs were just rebuilt). No net where there is no stash, or where
-    that program cannot be built here."""
+def _replaying_nets(model, bases, plain, threads):
+    """For each of `bases`, a net that drops every stash of `plain` and rebuilds it (shared), so
+    that replays and the decodes they need are timed as they run: a replay took 11% less than
+    its forward step on inception_small (its inputs were just rebuilt). None where there is no
+    stash, or where that program cannot be built here."""
     from .net import Net
     program = plain.compiled["train"].program
     stashed = tuple(sorted({b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == STASH}))
     if not stashed:
         return []
-    try:
-        return [Net(model, threads=threads, plan=Settings(base.replace(gist="lossless", recompute=stashed,
-                                                                        recompute_shared=stashed)))]
-    except MinigistError:
-        return []
+    nets = []
+    for base in bases:
+        try:
+            nets.append(Net(model, threads=threads, plan=Settings(base.replace(gist="lossless", recompute=stashed,
+                                                                                recompute_shared=stashed))))
+        except MinigistError:
+            pass
+    return nets
 
 
 def fit_training_net(net, batch, args, out=print):

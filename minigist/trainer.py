@@ -328,7 +328,7 @@ def _probe_writable(flag, path):
 
 def optimize_hint(args):
     """What a budget too small for the plan asked for can try, where the run did not: --optimize."""
-    if getattr(args, "optimize", False) or args.alloc != "static":
+    if args.optimize or args.alloc != "static":
         return ""
     return "; --optimize fits a budget by keeping, encoding or recomputing each stashed map (docs/memory.md)"
 

@@ -187,7 +187,7 @@ def test_past_short_chains_a_quick_search_decides_and_a_full_one_runs_where_its_
     ties' time weighs more than ResNet-20's bytes, and the bound is below 0.)"""
     optimizer = Optimizer(model("resnet20"), Options(batch_size=16, update="fused"), COST)
     quick = optimizer._smallest(node_limit=FIT_CHECK_NODE_LIMIT, rounds=1)
-    bound = optimizer.first_peak_bound
+    bound = optimizer.peak_bound
     assert 0 < bound <= quick.footprint_bytes
     searched = []
     real = Optimizer._smallest
