@@ -480,20 +480,50 @@ class Optimizer:
             return
         stash.sources = tuple(sorted(s for s in sources if s in self.stashes))
         stash.chain_seconds = sum(self.step_cost[i] for i in chain)
-        scratch = 0
-        for index in chain:
-            step = program.steps[index]
-            for role in ("y", "ws", "saved"):
-                for name in set(step.buffer_names((role,))):
-                    if name != f"blob:{stash.tensor}":
-                        scratch += align(program.buffers[name].nbytes)
-        stash.chain_bytes = scratch
+        stash.chain_bytes = self._replay_peak(chain, f"blob:{stash.tensor}")
         intervals = self._freed(stash) + [(stash.first_reader, stash.last_reader, stash.nbytes)]
         stash.options.append(_Option(RECOMPUTE, None, True, intervals, stash.chain_seconds, shared=True))
         # replayed again where another segment needs it first: worth it for a chain without
         # convolutions or inner products alone (its replays cost a pass over memory)
         if not any(step_flops(program.steps[index]) for index in chain):
             stash.options.append(_Option(PRIVATE, None, True, list(intervals), stash.chain_seconds))
+
+    def _replay_peak(self, chain, target):
+        """The most scratch bytes live at once while `chain` (forward step indices, in order)
+        is replayed to rebuild blob buffer `target`: each replayed map from its replay to its
+        last reader in the chain, a replay's workspace and saved scratch at its step alone, and
+        a map the next replay writes its output over (in place, as in the forward pass) one
+        storage with it; the storage that ends in `target` is its copy, counted apart."""
+        program = self.base.program
+        storage = {}                # a replayed map -> the first map of its in-place chain
+        pairs = dict(program.inplace)
+        for index in chain:
+            for name in program.steps[index].args["y"]:
+                storage.setdefault(name, name)
+            for source in program.steps[index].args["x"]:
+                if pairs.get(source) in program.steps[index].args["y"] and source in storage:
+                    storage[pairs[source]] = storage[source]
+        own = storage.get(target, target)
+        last_read = {}
+        for position, index in enumerate(chain):
+            for name in program.steps[index].args["y"]:
+                last_read[storage[name]] = max(last_read.get(storage[name], position), position)
+            for name in program.steps[index].args["x"]:
+                if name in storage:
+                    last_read[storage[name]] = position
+        live, peak, sizes = {}, 0, {}
+        for position, index in enumerate(chain):
+            step = program.steps[index]
+            for name in step.args["y"]:
+                key = storage[name]
+                if key != own:
+                    sizes[key] = max(sizes.get(key, 0), align(program.buffers[name].nbytes))
+                    live[key] = sizes[key]
+            scratch = sum(align(program.buffers[name].nbytes) for name in set(step.buffer_names(("ws", "saved"))))
+            peak = max(peak, sum(live.values()) + scratch)
+            for key in [key for key in live if last_read[key] <= position]:
+                del live[key]
+        return peak
 
     def _drop_idle_private(self):
         """Keep the private option only where a segment for another tensor can rebuild the

@@ -21,9 +21,9 @@ def inplace_pairs(program):
     buffers = program.buffers
     pairs = []
     for index, step in enumerate(program.steps):
-        if step.kind not in ("forward", "backward") or not step.layer.inplace_safe(0, 0):
+        if step.kind not in ("forward", "recompute", "backward") or not step.layer.inplace_safe(0, 0):
             continue
-        source_role, target_role = ("x", "y") if step.kind == "forward" else ("gy", "gx")
+        source_role, target_role = ("gy", "gx") if step.kind == "backward" else ("x", "y")
         sources, targets = step.args[source_role], step.args[target_role]
         if not sources or not targets or sources[0] is None or targets[0] is None:
             continue
