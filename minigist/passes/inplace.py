@@ -1,4 +1,5 @@
-"""The in-place pass: which steps may write their output over their input.
+"""The in-place pass: which steps may write their output over their input (a forward step, a
+recomputation's replay of one, x to y; a backward step, gy to gx).
 
 Reads: a program with liveness (after the Gist pass, whose encode steps move last uses), and
 each layer's `inplace_safe` fact.
