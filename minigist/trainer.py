@@ -437,6 +437,8 @@ def engine_lines(net, args, threads_from, conv_asked):
     else:
         why = f" (--conv auto: {onednn.describe()})" if conv_asked == "auto" and net.xp is np else ""
         lines.append(f"conv: im2col, minigist's own (numpy + BLAS){why}")
+    if conv_asked == "checkpoint":
+        lines[-1] += " (the checkpoint's engine)"
     if net.xp is np:
         blas_why = "--conv onednn: oneDNN's threads take the cores" if args.conv == "onednn" else threads_from
         lines.append(f"blas: {blas.describe(with_threads=False)}, {_count(net.blas_threads, 'thread')} "
@@ -666,6 +668,8 @@ class Trainer:
         schedule_change = {}
         if resumed is not None:
             schedule_change = apply_checkpoint_config(args, given, resumed[0], args.checkpoint)
+            if self.conv_asked == "auto" and args.conv != "auto":
+                self.conv_asked = "checkpoint"      # the engine the checkpoint trained with, not a choice now
         threads_from = resolve_engine(args, given, resumed is not None, self.environment_defaults)
         if "dpr" in self.given and args.gist in ("none", "lossless"):
             self.out(f"note: --dpr {args.dpr} changes nothing under --gist {args.gist} (it is the format of "

@@ -519,6 +519,11 @@ def test_conv_auto_names_and_records_the_engine_it_chose(tiny, tmp_path):
     assert "conv im2col" in without.stdout.split("memory: ", 1)[1].splitlines()[0]
     config = checkpoint_config(tmp_path / "a")
     assert (config["conv"], config["threads"]) == ("im2col", 1)
+    # a resume trains with the checkpoint's engine and says so, whatever --conv auto would pick now
+    resumed = run_cli("--checkpoint", tmp_path / "a", "--resume", "--iters", 3)
+    assert resumed.returncode == 0, resumed.stderr
+    line = next(line for line in resumed.stdout.splitlines() if line.startswith("conv: "))
+    assert line == "conv: im2col, minigist's own (numpy + BLAS) (the checkpoint's engine)"
     if not onednn.available():
         return
     run = run_cli(*common, "--checkpoint", tmp_path / "b", "--report-json", report)
