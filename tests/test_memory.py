@@ -58,9 +58,10 @@ def test_planner_lower_bound_and_gap_choice():
 
 
 def test_planner_keeps_the_first_smallest_trial():
-    """plan() stops trials that cannot win and skips what cannot beat the best: its offsets are
-    those of the first trial, in order, with the smallest arena of them all, had every trial run
-    to its end. Random buffers, zero-sized and huge ones among them, live one step or many."""
+    """plan() stops trials that cannot win and skips what cannot beat the best: where a trial
+    reaches the lower bound, its offsets are those of the first such trial; elsewhere the
+    repair's arena is no larger than the smallest trial's. Random buffers, zero-sized and huge
+    ones among them, live one step or many."""
     rng = random.Random(3)
     for _ in range(200):
         planner = StaticPlanner()
@@ -71,12 +72,40 @@ def test_planner_keeps_the_first_smallest_trial():
             planner.add_buffer(rng.choice([0, 1, 256, 300, 1024, rng.randint(1, 10**5), 10**30]), first, last)
         trials = [planner._place(order, first_fit) for order in planner._orders() for first_fit in (False, True)]
         smallest = min(top for _, top in trials)
-        offsets = next(offsets for offsets, top in trials if top == smallest)
         planner.plan()
-        assert planner.arena_size() == smallest >= planner.lower_bound()
-        assert [planner.offset(i) for i in range(len(planner))] == offsets
+        assert planner.lower_bound() <= planner.arena_size() <= smallest
+        if smallest == planner.lower_bound():
+            offsets = next(offsets for offsets, top in trials if top == smallest)
+            assert [planner.offset(i) for i in range(len(planner))] == offsets
+        check_no_overlap([(planner.offset(i), planner.sizes[i], planner.firsts[i], planner.lasts[i])
+                          for i in range(len(planner))])
+
+
+def test_planner_repairs_a_plan_above_the_lower_bound():
+    """Where no greedy order reaches the lower bound, the repair (a buffer at the top moved to
+    the front of its order, placed again) lowers the arena: on 200 random sets of 60 buffers
+    over 40 steps it lowers 28 arenas, their bytes above the bound from 102,400 to 49,152 in
+    all, never raises one, overlaps nothing, and plans the same offsets every time."""
+    rng = random.Random(7)
+    lowered, before, after = 0, 0, 0
+    for _ in range(200):
+        planner = StaticPlanner()
+        for _ in range(60):
+            first = rng.randrange(40)
+            planner.add_buffer(256 * rng.randint(1, 64), first, min(39, first + rng.choice([0, 1, 3, 10, 30])))
+        smallest = min(planner._place(order, first_fit)[1] for order in planner._orders() for first_fit in (False, True))
+        planner.plan()
+        offsets = [planner.offset(i) for i in range(len(planner))]
         check_no_overlap([(offsets[i], planner.sizes[i], planner.firsts[i], planner.lasts[i])
                           for i in range(len(planner))])
+        assert planner.lower_bound() <= planner.arena_size() <= smallest
+        if planner.arena_size() < smallest:
+            lowered += 1
+            before += smallest - planner.lower_bound()
+            after += planner.arena_size() - planner.lower_bound()
+        planner.offsets = None
+        assert [planner.offset(i) for i in range(len(planner))] == offsets
+    assert (lowered, before, after) == (28, 102_400, 49_152)
 
 
 def test_planner_rejects_reversed_lifetime():

