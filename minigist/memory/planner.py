@@ -230,12 +230,12 @@ class StaticPlanner:
         then the next, round robin), kept where the top is no higher; a start is left after
         REPAIR_STALL tries in a row that do not lower its top."""
         budget = max(min(REPAIR_PLACEMENTS, REPAIR_WORK // len(self.sizes)), len(starts) + REPAIR_STALL)
-        placed = []
+        greedy = []
         for index, (order, first_fit) in enumerate(starts):
             offsets, top = self._place(order, first_fit)
-            placed.append((top, index, order, first_fit, offsets))
+            greedy.append((top, index, order, first_fit, offsets))
         budget -= len(starts)
-        for top, _, order, first_fit, offsets in sorted(placed, key=lambda start: start[:2]):
+        for top, _, order, first_fit, offsets in sorted(greedy, key=lambda start: start[:2]):
             stalled, turn = 0, 0
             while budget > 0 and stalled < REPAIR_STALL and best[1] > bound:
                 budget -= 1
