@@ -57,6 +57,19 @@ def test_planner_lower_bound_and_gap_choice():
                       for i in range(len(planner))])
 
 
+def random_planner(rng, huge):
+    """Up to 40 buffers over up to 30 steps, each live one step or many: zero-sized and small
+    ones, and with `huge` some of 10**30 bytes (past int64)."""
+    planner = StaticPlanner()
+    steps = rng.randint(1, 30)
+    for _ in range(rng.randint(1, 40)):
+        first = rng.randrange(steps)
+        last = min(steps - 1, first + rng.choice([0, 1, 3, 10, 30]))
+        sizes = [0, 1, 256, 300, 1024, rng.randint(1, 10**5)] + ([10**30] if huge else [])
+        planner.add_buffer(rng.choice(sizes), first, last)
+    return planner
+
+
 def test_planner_keeps_the_first_smallest_trial():
     """plan() stops trials that cannot win and skips what cannot beat the best: where a trial
     reaches the lower bound, its offsets are those of the first such trial; elsewhere the
@@ -64,12 +77,7 @@ def test_planner_keeps_the_first_smallest_trial():
     ones among them, live one step or many."""
     rng = random.Random(3)
     for _ in range(200):
-        planner = StaticPlanner()
-        steps = rng.randint(1, 30)
-        for _ in range(rng.randint(1, 40)):
-            first = rng.randrange(steps)
-            last = min(steps - 1, first + rng.choice([0, 1, 3, 10, 30]))
-            planner.add_buffer(rng.choice([0, 1, 256, 300, 1024, rng.randint(1, 10**5), 10**30]), first, last)
+        planner = random_planner(rng, huge=True)
         trials = [planner._place(order, first_fit) for order in planner._orders() for first_fit in (False, True)]
         smallest = min(top for _, top in trials)
         planner.plan()
@@ -113,12 +121,7 @@ def test_the_array_placement_places_as_the_list_one():
     top of the Python-integer one, under every order, best and first fit, and stopped early."""
     rng = random.Random(5)
     for _ in range(150):
-        planner = StaticPlanner()
-        steps = rng.randint(1, 30)
-        for _ in range(rng.randint(1, 40)):
-            first = rng.randrange(steps)
-            last = min(steps - 1, first + rng.choice([0, 1, 3, 10, 30]))
-            planner.add_buffer(rng.choice([0, 1, 256, 300, 1024, rng.randint(1, 10**5)]), first, last)
+        planner = random_planner(rng, huge=False)
         for order in planner._orders():
             for first_fit in (False, True):
                 for give_up_at in (None, 2048):
