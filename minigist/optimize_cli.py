@@ -11,7 +11,7 @@ import math
 
 from .costmodel import MeasuredModel, flop_model, profile_programs, reference_model
 from .errors import MinigistError
-from .optimize import SMALL_CHUNK_BYTES, Optimizer, RecordedPlan, Settings, dominated_by, lossy_overrides
+from .optimize import KEEP, SMALL_CHUNK_BYTES, Optimizer, RecordedPlan, Settings, dominated_by, lossy_overrides
 from .pipeline import plan_report
 from .program import STASH
 
@@ -252,7 +252,16 @@ def restore_training_plan(net, record, out=print):
     except (KeyError, ValueError) as exc:
         raise MinigistError(f"--resume: the checkpoint's optimized plan does not apply to this model: {exc}") from None
     footprint = net.report()["footprint_with_evaluation_bytes"]
-    out(f"optimizer: the checkpoint's plan ({len(plan.options.overrides)} encodings chosen, "
-        f"{len(plan.options.recompute)} tensors recomputed), footprint {footprint:,} B ({_mib(footprint)}); "
+    out(f"optimizer: the checkpoint's plan ({choice_counts(plan)}), footprint {footprint:,} B ({_mib(footprint)}); "
         f"the fit chose it at {record.get('footprint_bytes', 0):,} B")
     return plan
+
+
+def choice_counts(plan):
+    """How many stashes a plan recomputes, encodes and keeps in fp32, from its decisions (an
+    fp32 stash is an override too, against the lossless rule's code: the overrides alone do
+    not count encodings)."""
+    choices = [decision["choice"] if isinstance(decision, dict) else decision.choice for decision in plan.decisions]
+    recomputed = sum(choice.startswith("recompute") for choice in choices)
+    kept = choices.count(KEEP)
+    return f"{len(choices) - recomputed - kept} tensors encoded, {recomputed} recomputed, {kept} kept in fp32"

@@ -313,9 +313,15 @@ def test_a_resumed_optimized_run_keeps_its_plan_and_ends_with_the_uninterrupted_
     assert len(fits) == 2
     capsys.readouterr()
     assert train.main(["--checkpoint", str(part), "--resume", "--iters", "4"]) == 0
-    assert len(fits) == 2 and "optimizer: the checkpoint's plan" in capsys.readouterr().out
+    resumed_out = capsys.readouterr().out
     (meta_whole, _, whole_values), (meta_part, _, part_values) = read_checkpoint(str(whole)), read_checkpoint(str(part))
     chosen = meta_part["optimizer"]
+    choices = [decision["choice"] for decision in chosen["decisions"]]
+    recomputed = sum(choice.startswith("recompute") for choice in choices)
+    counts = (f"{len(choices) - recomputed - choices.count('fp32')} tensors encoded, {recomputed} recomputed, "
+              f"{choices.count('fp32')} kept in fp32")
+    assert len(fits) == 2 and f"optimizer: the checkpoint's plan ({counts})" in resumed_out
+    assert len(choices) - recomputed - choices.count("fp32") > 0      # fp16 and 1-bit codes among them
     assert chosen["overrides"] and chosen["footprint_bytes"] <= 6_000_000 == meta_part["config"]["memory_budget"]
     assert all(chosen[k] == meta_whole["optimizer"][k] for k in ("overrides", "recompute", "recompute_shared",
                                                                   "chunk_bytes"))
