@@ -504,21 +504,18 @@ class Optimizer:
                 if pairs.get(source) in program.steps[index].args["y"] and source in storage:
                     storage[pairs[source]] = storage[source]
         own = storage.get(target, target)
-        last_read = {}
+        last_read = {}              # a storage -> the last replay that writes or reads it
         for position, index in enumerate(chain):
-            for name in program.steps[index].args["y"]:
-                last_read[storage[name]] = max(last_read.get(storage[name], position), position)
-            for name in program.steps[index].args["x"]:
+            for name in program.steps[index].args["x"] + program.steps[index].args["y"]:
                 if name in storage:
                     last_read[storage[name]] = position
-        live, peak, sizes = {}, 0, {}
+        live, peak = {}, 0
         for position, index in enumerate(chain):
             step = program.steps[index]
             for name in step.args["y"]:
                 key = storage[name]
-                if key != own:
-                    sizes[key] = max(sizes.get(key, 0), align(program.buffers[name].nbytes))
-                    live[key] = sizes[key]
+                if key != own:      # an in-place pair has one size
+                    live[key] = align(program.buffers[name].nbytes)
             scratch = sum(align(program.buffers[name].nbytes) for name in set(step.buffer_names(("ws", "saved"))))
             peak = max(peak, sum(live.values()) + scratch)
             for key in [key for key in live if last_read[key] <= position]:

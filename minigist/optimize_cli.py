@@ -258,10 +258,10 @@ def restore_training_plan(net, record, out=print):
 
 
 def choice_counts(plan):
-    """How many stashes a plan recomputes, encodes and keeps in fp32, from its decisions (an
+    """How many stashes a RecordedPlan recomputes, encodes and keeps in fp32, from its decisions (an
     fp32 stash is an override too, against the lossless rule's code: the overrides alone do
     not count encodings)."""
-    choices = [decision["choice"] if isinstance(decision, dict) else decision.choice for decision in plan.decisions]
+    choices = [decision["choice"] for decision in plan.decisions]
     recomputed = sum(choice.startswith("recompute") for choice in choices)
     kept = choices.count(KEEP)
     return f"{len(choices) - recomputed - kept} tensors encoded, {recomputed} recomputed, {kept} kept in fp32"

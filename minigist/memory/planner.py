@@ -80,9 +80,7 @@ class StaticPlanner:
         the large nets' thousands of buffers: the repair places them many times): the placed
         buffers live at the same time are found by comparing lifetimes, and the gaps between
         them, sorted as (offset, end), are the offsets less the highest end below each."""
-        count = len(order)
-        firsts, lasts, ends_at = (np.zeros(count, dtype=np.int64) for _ in range(3))
-        starts_at = np.zeros(count, dtype=np.int64)
+        firsts, lasts, starts_at, ends_at = np.zeros((4, len(order)), dtype=np.int64)
         offsets = [None] * len(self.sizes)
         top = 0
         for placed, index in enumerate(order):
@@ -94,10 +92,10 @@ class StaticPlanner:
                 ranked = np.lexsort((ends, starts))
                 starts, ends = starts[ranked], ends[ranked]
                 highest = np.maximum.accumulate(ends)
-                cursors = np.concatenate(([0], np.maximum(highest[:-1], 0)))
+                cursors = np.concatenate(([0], highest[:-1]))
                 fits = np.flatnonzero(starts - cursors >= size)
                 if fits.size == 0:
-                    offset = max(int(highest[-1]), 0)
+                    offset = int(highest[-1])
                 elif first_fit:
                     offset = int(cursors[fits[0]])
                 else:
