@@ -72,6 +72,29 @@ def test_streamed_stashes_train_like_whole_ones(name, alloc, gist, monkeypatch):
         np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
 
 
+@pytest.mark.parametrize("gist", ["none", "all"])
+def test_relu_masks_a_sample_at_a_time_train_like_whole_ones(gist, monkeypatch):
+    """ReLU's backward mask one sample at a time, the ufunc path, and (under all) a ReLU whose
+    SSDC-coded top its backward reads a slice at a time, handed a mask of fewer rows than the
+    slice: the same losses and weights as the whole batch's mask."""
+    from minigist import jit
+    from minigist.layers.activation import ReLU
+    monkeypatch.setattr(minigist.passes.gist, "STREAM_MIN_BYTES", 0)
+    with jit.use_kernels(False):
+        whole, whole_losses = train("vgg_small", gist, "static", steps=3)
+        monkeypatch.setattr(ReLU, "chunk_bytes", 1)
+        net, losses = train("vgg_small", gist, "static", steps=3)
+    steps = net.programs["train"].steps
+    buffers = net.programs["train"].buffers
+    relus = [s for s in steps if s.kind == "backward" and isinstance(s.layer, ReLU) and "mask" in s.args["ws"]]
+    assert relus and all(buffers[s.args["ws"]["mask"]].shape[0] == 1 for s in relus)
+    if gist == "all":
+        assert any(isinstance(s.op, StreamedBackward) for s in relus)
+    assert losses == whole_losses
+    for key, value in whole.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "ufuncs"])
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])

@@ -24,6 +24,33 @@ def test_relu(slope, kernel_path):
     assert layer.keeps_tops == (0,) and layer.keeps_bottoms == ()
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["apart", "in place"])
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+def test_relu_backward_makes_its_mask_a_batch_chunk_at_a_time(slope, inplace):
+    """The ufunc path's mask (one byte per element) holds a chunk of samples, not the whole
+    batch, and gives the same bytes as a whole-batch one."""
+    from minigist import jit
+    rng = np.random.default_rng(3)
+    shape = (5, 3, 4, 5)
+    x = away_from_zero(rng, shape).astype(np.float32)
+    gy = rng.standard_normal(shape).astype(np.float32)
+    results = []
+    for chunk_bytes, rows in ((2 * 60, 2), (1 << 20, 5)):      # 60 elements (bytes of mask) a sample
+        layer = make_layer(f'name: "r" type: "ReLU" bottom: "x" top: "y" relu_param {{ negative_slope: {slope} }}',
+                           [shape], dtype=np.float32)
+        layer.chunk_bytes = chunk_bytes
+        ws = {k: np.empty(d.shape, d.dtype or np.float32) for k, d in layer.workspace("backward").items()}
+        assert ws["mask"].shape == (rows, 3, 4, 5)
+        y = np.where(x > 0, x, np.float32(slope) * x).astype(np.float32)
+        g = gy.copy()
+        gx = g if inplace else np.empty_like(g)
+        with jit.use_kernels(False):
+            layer.backward(np, [None], [y], [g], [gx], [], [], {}, ws)
+        results.append(gx)
+    np.testing.assert_array_equal(results[0].view(np.uint32), results[1].view(np.uint32))
+    np.testing.assert_array_equal(results[0], np.where(x > 0, gy, gy * np.float32(slope)))
+
+
 def test_relu_rejects_negative_slope():
     with pytest.raises(LayerSetupError, match="negative_slope"):
         make_layer('name: "r" type: "ReLU" bottom: "x" top: "y" relu_param { negative_slope: -1 }', [(2, 3)])

@@ -494,6 +494,18 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: 
 """
 
 
+def test_relu_backward_plans_a_mask_of_a_batch_chunk():
+    """ReLU's backward mask is about 4 MiB of samples, not the whole batch's map: vgg_small's
+    32x32x64 maps at batch 128 take 64 samples of 65,536 bytes."""
+    from minigist.pipeline import Options, compile
+    compiled = compile(os.path.join(MODELS_DIR, "vgg_small.prototxt"), Options(batch_size=128))
+    program = compiled.program
+    masks = {step.layer.name: program.buffers[step.args["ws"]["mask"]] for step in program.steps
+             if step.kind == "backward" and step.layer is not None and step.layer.type == "ReLU"}
+    assert masks["relu1_1"].shape == (64, 64, 32, 32) and masks["relu1_1"].nbytes == 4_194_304
+    assert all(mask.nbytes <= 4 << 20 for mask in masks.values())
+
+
 @pytest.mark.parametrize("gist", ["none", "lossless"])
 def test_leaky_relu_in_place_trains_like_out_of_place(tmp_path, gist):
     """An in-place ReLU with negative_slope (static and dynamic share the bottom's bytes) must

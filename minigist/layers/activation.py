@@ -7,6 +7,7 @@ from .. import jit
 from ..gpu import kernels as gpu_kernels
 from . import fused_kernels
 from .base import Layer, TensorDecl, register
+from .conv_geometry import chunk_samples
 
 
 @register
@@ -18,6 +19,9 @@ class ReLU(Layer):
     sparse_output = True
     elementwise = True
     mask_backward = True
+    # the backward's mask (one byte per element) is made a batch chunk of about this at a time:
+    # a whole-batch mask would be a quarter of the map's bytes at the ReLU's backward step
+    chunk_bytes = 4 << 20
 
     @property
     def gradient_only_where_positive(self):
@@ -36,7 +40,9 @@ class ReLU(Layer):
     def workspace(self, phase, gx_needed=None):
         ws = {}
         if phase == "backward":
-            ws["mask"] = TensorDecl(self.top_shapes[0], np.bool_)
+            top = tuple(self.top_shapes[0])
+            rows = chunk_samples(top[0], int(np.prod(top[1:], dtype=np.int64)), self.chunk_bytes)
+            ws["mask"] = TensorDecl((rows,) + top[1:], np.bool_)
         if self.slope != 0.0:   # slope * x (slope * gy), kept apart: y may be x (gx gy) itself
             ws["scaled"] = TensorDecl(self.top_shapes[0])
         return ws
@@ -72,8 +78,13 @@ class ReLU(Layer):
             fused_kernels.relu_grad(y0.reshape(-1), gy0.reshape(-1), gx0.reshape(-1), dtype(1), dtype(0),
                                     fused_kernels.same_memory(gy0, gx0))
             return
-        xp.greater(y0, 0, out=mask)
-        self.backward_from_mask(xp, mask, gy0, gx0, {k: v for k, v in ws.items() if k == "scaled"})
+        rows = mask.shape[0]
+        for n0 in range(0, y0.shape[0], rows):
+            part = slice(n0, min(n0 + rows, y0.shape[0]))
+            chunk_mask = mask[:part.stop - n0]
+            xp.greater(y0[part], 0, out=chunk_mask)
+            self.backward_from_mask(xp, chunk_mask, gy0[part], gx0[part],
+                                    {k: v[part] for k, v in ws.items() if k == "scaled"})
 
     def backward_from_mask(self, xp, mask, gy, gx, ws):
         """gx from the positive mask alone (the form Gist's Binarize codec stores). gx may be

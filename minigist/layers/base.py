@@ -144,7 +144,8 @@ class Layer:
     sparse_output = False   # its top is zero wherever its input is not positive (ReLU)
     keeps_zeros = False     # its top is as sparse as its bottoms: zeros stay zeros (Concat, Split, ...)
     elementwise = False     # forward and backward compute each sample alone, and every tensor and
-                            # workspace has the batch first: may run one batch slice at a time
+                            # workspace has the batch first: may run one batch slice at a time (a
+                            # workspace of fewer rows than the batch is handed its leading rows)
     mask_backward = False   # backward_from_mask(xp, mask, gy, gx, ws) gives the backward from
                             # (y[0] > 0) alone, without y
     gradient_only_where_positive = False    # gx = gy where y[0] > 0, and 0 elsewhere

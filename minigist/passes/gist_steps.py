@@ -241,6 +241,8 @@ class StreamedBackward:
         def run():
             for n0 in range(0, batch, chunk):
                 part = slice(n0, n0 + chunk)
+                # scratch is the leading rows (a layer's workspace may hold fewer than the batch)
+                scratch = slice(0, min(batch, n0 + chunk) - n0)
                 layer.backward(xp, cut(x, part), cut(y, part), cut(gy, part), cut(gx, part), p, gp,
-                               cut(saved, part), cut(ws, part))
+                               cut(saved, part), cut(ws, scratch))
         return run
