@@ -83,7 +83,9 @@ class ReLU(Layer):
             part = slice(n0, min(n0 + rows, y0.shape[0]))
             chunk_mask = mask[:part.stop - n0]
             xp.greater(y0[part], 0, out=chunk_mask)
-            self.backward_from_mask(xp, chunk_mask, gy0[part], gx0[part],
+            chunk_gy = gy0[part]
+            chunk_gx = chunk_gy if gx0 is gy0 else gx0[part]     # in place stays one array (CuPy's rule)
+            self.backward_from_mask(xp, chunk_mask, chunk_gy, chunk_gx,
                                     {k: v[part] for k, v in ws.items() if k == "scaled"})
 
     def backward_from_mask(self, xp, mask, gy, gx, ws):
