@@ -159,6 +159,22 @@ def test_training_steps_keep_cupy_rules(tiny, gist):
     assert report.summary()["kernels_per_step"] > 0
 
 
+def test_a_leaky_relu_in_chunks_of_one_sample_keeps_cupy_rules(tmp_path, monkeypatch):
+    """A leaky ReLU's backward takes the ufunc path on a GPU too: with every chunk one sample,
+    its mask and its in-place gradient, a chunk at a time, keep the rules."""
+    from minigist.layers.activation import ReLU
+    monkeypatch.setattr(minigist.pipeline, "GPU_CHUNK_BYTES", 1)
+    monkeypatch.setattr(ReLU, "chunk_bytes", 1)
+    path = tmp_path / "leaky.prototxt"
+    path.write_text(TINY.replace('top: "conv1" }\nlayer { name: "pool1"',
+                                 'top: "conv1" relu_param { negative_slope: 0.1 } }\nlayer { name: "pool1"'))
+    report = check_training(str(path), "none", batch_size=2, steps=1)
+    assert report.all_violations() == [], report.lines()
+    program = report.net.programs["train"]
+    relu1 = next(s for s in program.steps if s.kind == "backward" and s.layer.name == "relu1")
+    assert relu1.layer.slope == 0.1 and program.buffers[relu1.args["ws"]["mask"]].shape[0] == 1
+
+
 @pytest.mark.parametrize("gist", ["lossless", "all"])
 def test_replays_keep_cupy_rules(gist):
     """resnet20 with every other stash dropped, half of them shared: the replays and the decodes
