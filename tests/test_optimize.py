@@ -17,8 +17,8 @@ from minigist.costmodel import REFERENCE_GEMM_FLOPS, FlopModel, profile, program
 from minigist.errors import MinigistError  # noqa: E402
 from minigist.memory.report import live_by_step  # noqa: E402
 from minigist.memory.report import footprint_report  # noqa: E402
-from minigist.optimize import (FIT_CHECK_NODE_LIMIT, NODE_LIMIT, PRIVATE, RECOMPUTE, SMALL_CHUNK_BYTES,  # noqa: E402
-                               Optimizer, Settings, _on_base, _positions)
+from minigist.optimize import (FIT_CHECK_NODE_LIMIT, NODE_LIMIT, PRIVATE, RECOMPUTE, SHORT_CHAIN,  # noqa: E402
+                               SMALL_CHUNK_BYTES, Optimizer, Settings, _on_base, _positions)
 from minigist import optimize_cli  # noqa: E402
 from minigist.checkpoint import check_optimized_plan, read_checkpoint  # noqa: E402
 from minigist.optimize_cli import FRONTIER_POINTS, frontier, profiled_model  # noqa: E402
@@ -183,8 +183,9 @@ def test_past_short_chains_a_quick_search_decides_and_a_full_one_runs_where_its_
         monkeypatch):
     """The quick search's bound is below every plan it finds; a budget under that bound is
     refused on the quick search alone (its bound in the message), one between the bound and
-    the quick plan is searched again in full before it is refused. (At batch 16: at 4 the
-    ties' time weighs more than ResNet-20's bytes, and the bound is below 0.)"""
+    the quick plan is searched again in full, with short chains and with long ones, before it
+    is refused. (At batch 16: at 4 the ties' time weighs more than ResNet-20's bytes, and the
+    bound is below 0.)"""
     optimizer = Optimizer(model("resnet20"), Options(batch_size=16, update="fused"), COST)
     quick = optimizer._smallest(node_limit=FIT_CHECK_NODE_LIMIT, rounds=1)
     bound = optimizer.peak_bound
@@ -192,19 +193,32 @@ def test_past_short_chains_a_quick_search_decides_and_a_full_one_runs_where_its_
     searched = []
     real = Optimizer._smallest
 
-    def smallest(self, cap_seconds=None, node_limit=NODE_LIMIT, rounds=3):
-        searched.append(node_limit)
-        found = real(self, cap_seconds, node_limit, rounds)
+    def smallest(self, cap_seconds=None, node_limit=NODE_LIMIT, rounds=3, chain=None):
+        searched.append((node_limit, chain))
+        found = real(self, cap_seconds, node_limit, rounds, chain)
         if node_limit == NODE_LIMIT:    # as if the full search found no smaller plan than the quick one
             found.footprint_bytes = quick.footprint_bytes
         return found
     monkeypatch.setattr(Optimizer, "_smallest", smallest)
-    for budget, expected in ((bound - 1, [FIT_CHECK_NODE_LIMIT]), (bound, [FIT_CHECK_NODE_LIMIT, NODE_LIMIT])):
+    quick_search, full_searches = (FIT_CHECK_NODE_LIMIT, None), [(NODE_LIMIT, SHORT_CHAIN), (NODE_LIMIT, None)]
+    for budget, expected in ((bound - 1, [quick_search]), (bound, [quick_search] + full_searches)):
         searched.clear()
         with pytest.raises(MinigistError) as error:
             optimizer._fit(budget)
         assert searched == expected
         assert f"(none below {bound:,} in its model)" in str(error.value)
+
+
+@pytest.mark.slow
+def test_the_smallest_plan_is_the_smaller_of_the_short_and_the_long_chains_searches():
+    """Long chains reach further in the model, but within its node limit the solver can stop
+    above what short ones reach: ResNet-20 at batch 32, the reference rates, lossless."""
+    from minigist.costmodel import reference_model
+    optimizer = Optimizer(model("resnet20"), Options(batch_size=32, update="fused"), reference_model())
+    short = optimizer._smallest(chain=SHORT_CHAIN).footprint_bytes
+    long_ = optimizer._smallest().footprint_bytes
+    assert (short, long_) == (34_630_400, 34_636_800)
+    assert optimizer.smallest().footprint_bytes == short
 
 
 def test_a_budget_below_the_floor_is_refused_at_once_with_the_floor(resnet20):
