@@ -897,16 +897,13 @@ class Optimizer:
     def smallest(self):
         """The plan of the smallest exact footprint the model finds (the least time among
         equals), smaller chunks included under lossy modes."""
-        plans = [o._smallest_of_both() for o in self._family()]
-        return min((p for p in plans if p is not None), key=lambda p: (p.footprint_bytes, p.predicted_seconds))
+        return _smaller([o._smallest_of_both() for o in self._family()])
 
     def _smallest_of_both(self):
         """_smallest() searched with short chains and with long ones: the smaller plan (the
         least time among equals). The long search runs last: `peak_bound` is its bound,
         which holds for both."""
-        plans = [self._smallest(chain=SHORT_CHAIN), self._smallest()]
-        plans = [p for p in plans if p is not None]
-        return min(plans, key=lambda p: (p.footprint_bytes, p.predicted_seconds)) if plans else None
+        return _smaller([self._smallest(chain=SHORT_CHAIN), self._smallest()])
 
     def within(self, overhead):
         """The plan of the smallest footprint whose predicted overhead is at most `overhead`
@@ -1111,6 +1108,13 @@ class Optimizer:
             worst = max(worst, result.fun)
         return worst / self.base_seconds
 
+
+
+def _smaller(plans):
+    """The plan of the smallest footprint among `plans` (the least predicted time among equals);
+    None where every one is None."""
+    found = [plan for plan in plans if plan is not None]
+    return min(found, key=lambda plan: (plan.footprint_bytes, plan.predicted_seconds)) if found else None
 
 
 def dominated_by(plan):
