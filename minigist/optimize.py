@@ -55,6 +55,7 @@ from .costmodel import step_flops
 from .errors import MinigistError
 from .memory import align
 from .memory.report import footprint_report, live_by_step
+from .passes import gist as gist_pass
 from .passes.gist import dpr_applies
 from .pipeline import Options, compile
 from .program import INPUT, STASH
@@ -183,6 +184,7 @@ class _Option:
     seconds: float             # time added relative to keeping it
     holds_values: bool = True  # a replay may read it (not a 1-bit mask, not folded into a pool's codes)
     whole_decode: bool = False  # decoded whole before its first reader (not slice by slice, not read as fp16)
+    slices: bool = False       # a replay may decode it a slice at a time (a decoded copy, not read as fp16)
     shared: bool = False       # recomputed, and kept once a segment for another tensor rebuilds it
 
 
@@ -217,6 +219,7 @@ class _Stash:
     last_reader: int
     options: list = field(default_factory=list)
     sources: tuple = ()       # stashed blobs a replay starts from
+    source_readers: dict = field(default_factory=dict)   # source -> the chain's steps that read it
     chain_seconds: float = 0.0
     chain_bytes: int = 0      # maps a replay rebuilds on the way (its own, freed when done)
     in_place: bool = False    # not kept in fp32, its bytes go to its last forward reader's output
@@ -455,11 +458,12 @@ class Optimizer:
             holds_values = encoding.codec is not None and encoding.name not in ("mask-1bit",)
             whole = decoded is not None and decoded.nbytes >= stash.raw
             stash.options.append(_Option(label, override, False, intervals, seconds.get(tensor, 0.0),
-                                         holds_values=holds_values, whole_decode=whole))
+                                         holds_values=holds_values, whole_decode=whole,
+                                         slices=holds_values and bool(encoding.decoded)))
 
     def _add_recompute_option(self, stash):
         program, graph = self.base.program, self.graph
-        chain, sources, seen = [], set(), set()
+        chain, sources, seen, readers = [], set(), set(), {}
 
         def visit(name):
             buffer = program.buffers[name]
@@ -476,12 +480,16 @@ class Optimizer:
                 return False
             if not all(visit(x) for x in step.args["x"]):
                 return False
+            for x in step.args["x"]:
+                if program.buffers[x].category == STASH and program.buffers[x].kind == "blob":
+                    readers.setdefault(program.buffers[x].tensor, []).append(index)
             chain.append(index)
             return True
 
         if not visit(f"blob:{stash.tensor}"):
             return
         stash.sources = tuple(sorted(s for s in sources if s in self.stashes))
+        stash.source_readers = {source: tuple(readers[source]) for source in stash.sources}
         stash.chain_seconds = sum(self.step_cost[i] for i in chain)
         stash.chain_bytes = self._replay_peak(chain, f"blob:{stash.tensor}")
         intervals = self._freed(stash) + [(stash.first_reader, stash.last_reader, stash.nbytes)]
@@ -559,7 +567,8 @@ class Optimizer:
           gives a replay's source values;
         - with values: decoded for each run of replays that reads it, into a copy freed after
           the run (the run right before its first backward reader shares that reader's
-          decode, where its readers decode it whole);
+          decode, where its readers decode it whole), or into a slice buffer where every
+          replay of the run that reads it is a convolution reading it a slice at a time;
         - fp32 kept, or a copy rebuilt by an earlier segment, whose last backward reader
           comes before T's segment: it lives on until the segment."""
         aux, forbidden, segments = [], [], []
@@ -584,7 +593,8 @@ class Optimizer:
             depth, order = {tensor: 1}, [tensor]
             for node in order:                                   # grows as sources are reached
                 for source in self.stashes[node].sources:
-                    readers.setdefault(source, {}).setdefault(tensor, []).append(replays[node])
+                    sliced = self._replay_slice(self.stashes[node], self.stashes[source])
+                    readers.setdefault(source, {}).setdefault(tensor, []).append((replays[node], sliced))
                     other = self.stashes[source]
                     if other.first_reader <= at or (source not in shared and source not in private):
                         continue        # kept, encoded, or rebuilt by an earlier segment
@@ -626,9 +636,11 @@ class Optimizer:
         for source, by_tensor in readers.items():
             other = self.stashes[source]
             tensors = sorted(by_tensor, key=lambda t: (self.stashes[t].first_reader, self.stashes[t].produced))
-            reads = {}
+            reads, sliced = {}, {}      # sliced: bytes of a slice where every such replay reads one
             for tensor in tensors:
-                terms = by_tensor[tensor]
+                terms = [term for term, _ in by_tensor[tensor]]
+                slices = [nbytes for _, nbytes in by_tensor[tensor]]
+                sliced[tensor] = max(slices) if all(slices) else 0
                 if len(terms) == 1:
                     reads[tensor] = terms[0]
                 else:           # the segment reads it when any of its replays that read it runs
@@ -650,7 +662,10 @@ class Optimizer:
                     continue
                 # each run of replays (the segments before one backward step) decodes it into
                 # a copy of its own, freed after the run; a run right before its first backward
-                # reader reads the copy that reader's whole decode makes
+                # reader reads the copy that reader's whole decode makes. A run whose replays
+                # all read it a slice at a time (passes/gist.py: replay_stream_chunk) decodes
+                # it into a slice buffer instead, each replay all of it: a term per segment
+                # (where two hold, a slice more than the run's one buffer is counted)
                 decode_seconds = self.cost.bytes_seconds(other.raw + sum(n for _, _, n in option.intervals if n > 0))
                 runs = {}
                 for tensor in tensors:
@@ -658,10 +673,37 @@ class Optimizer:
                 for at, members in runs.items():
                     if option.whole_decode and at == other.first_reader:
                         continue
-                    term = _Aux([[reads[t], (source, option)] for t in members], [], decode_seconds)
-                    aux.append(term)
-                    segments.append(_Segment(at, [(term, other.nbytes)]))
+                    whole = [t for t in members if not (sliced[t] and option.slices)]
+                    if whole:
+                        term = _Aux([[reads[t], (source, option)] for t in whole], [], decode_seconds)
+                        aux.append(term)
+                        segments.append(_Segment(at, [(term, other.nbytes)]))
+                    for tensor in members:
+                        if tensor not in whole:
+                            term = _Aux([[reads[tensor], (source, option)]], [], decode_seconds)
+                            aux.append(term)
+                            segments.append(_Segment(at, [(term, sliced[tensor])]))
         return aux, forbidden, segments
+
+    def _replay_slice(self, stash, source):
+        """The bytes of the slice buffer a replay in `stash`'s chain decodes `source` into, where
+        every step of the chain that reads it reads it as its only input a slice at a time
+        (Layer.forward_stream_chunk: a convolution; passes/gist.py's replay_stream_chunk, with
+        its size threshold); 0 where such a replay needs a whole decoded copy."""
+        program = self.base.program
+        name = f"blob:{source.tensor}"
+        batch = program.buffers[name].shape[0]
+        if source.raw < gist_pass.STREAM_MIN_BYTES or batch != self.graph.batch_size:
+            return 0
+        chunk = 1
+        for index in stash.source_readers.get(source.tensor, ()):
+            step = program.steps[index]
+            x = step.args["x"]
+            samples = step.layer.forward_stream_chunk()
+            if samples <= 0 or x[0] != name or name in x[1:]:
+                return 0
+            chunk = max(chunk, samples)
+        return align(chunk * (source.raw // batch)) if chunk < batch else 0
 
     def _use_chain(self, depth):
         """Model recomputation segments of up to `depth` replays."""

@@ -191,6 +191,23 @@ def test_replays_keep_cupy_rules(gist):
     assert any(s.kind == "decode" and s.args["out"].partition("#")[2] for s in steps)
 
 
+def test_replays_reading_coded_sources_a_slice_at_a_time_keep_cupy_rules(monkeypatch):
+    """resnet20 with every other stash dropped, every chunk one sample: a replayed
+    convolution decoding its SSDC-coded source one sample at a time keeps the rules."""
+    from minigist.layers.conv import Convolution
+    from minigist.passes.gist_steps import StreamedReplay
+    monkeypatch.setattr(minigist.pipeline, "GPU_CHUNK_BYTES", 1)
+    monkeypatch.setattr(Convolution, "chunk_bytes", 1)
+    monkeypatch.setattr(minigist.passes.gist, "STREAM_MIN_BYTES", 0)
+    path = os.path.join(MODELS, "resnet20.prototxt")
+    program = minigist.compile(path, minigist.Options(batch_size=2)).program
+    stashed = [b.tensor for b in program.buffers.values() if b.kind == "blob" and b.category == "stash"]
+    report = check_training(path, "lossless", batch_size=2, steps=1, recompute=stashed[::2])
+    assert report.all_violations() == [], report.lines()
+    assert report.summary()["host_syncs_per_step"] <= 2
+    assert any(isinstance(s.op, StreamedReplay) for s in report.net.programs["train"].steps)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["vgg_small", "resnet20", "inception_small"])
 @pytest.mark.parametrize("gist", ["none", "all"])     # all: SSDC as lossless has it, and DPR

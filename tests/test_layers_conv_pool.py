@@ -631,3 +631,42 @@ def test_conv_weight_gradient_added_in_row_blocks(case, kernel_path):
     np.testing.assert_allclose(gx, ref_gx, rtol=1e-12, atol=1e-12)
     for got, want in zip(gp, ref_gp):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+class SliceReader:
+    """What a replay hands a convolution for a source decoded a slice at a time
+    (passes/gist_steps.StreamedStash): at most `chunk_samples` consecutive samples per read,
+    each read a fresh copy."""
+
+    def __init__(self, array, chunk_samples):
+        self.array, self.chunk_samples = array, chunk_samples
+        self.shape, self.dtype = array.shape, array.dtype
+        self.reads = []
+
+    def __getitem__(self, index):
+        start, stop, step = index.indices(self.shape[0])
+        assert step == 1 and stop - start <= self.chunk_samples, (start, stop)
+        self.reads.append((start, stop))
+        return self.array[start:stop].copy()
+
+
+@pytest.mark.parametrize("body", ["num_output: 6 kernel_size: 1", "num_output: 6 kernel_size: 1 group: 2",
+                                  "num_output: 6 kernel_size: 3 pad: 1 stride: 2"])
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_conv_forward_reads_a_slice_reader_in_its_stream_chunks(body, chunk, kernel_path):
+    """A convolution's forward reads its input in slices of forward_stream_chunk() samples
+    (the 1x1 path too, which reads an array whole), covering the batch once, and writes the
+    bits the array gives at the same chunks."""
+    shape = (5, 4, 6, 6)
+    x = np.random.default_rng(16).standard_normal(shape)
+    layer = make_layer(conv_text(body), [shape])
+    layer.batch_chunk = chunk
+    assert layer.forward_stream_chunk() == layer.stream_chunk() == chunk
+    run = LayerRun(layer)
+    want = run.forward([x])[0]
+    ws = {k: np.empty(d.shape, d.dtype or np.float64) for k, d in layer.workspace("forward").items()}
+    reader = SliceReader(x, chunk)
+    got = np.full_like(want, np.nan)
+    layer.forward(np, [reader], [got], run.params, {}, ws)
+    np.testing.assert_array_equal(got, want)
+    assert [start for start, _ in reader.reads] == list(range(0, shape[0], chunk))

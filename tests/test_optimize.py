@@ -129,6 +129,38 @@ def between(optimizer, fraction):
     return int(optimizer.smallest_bytes + fraction * (optimizer.baseline_footprint - optimizer.smallest_bytes))
 
 
+def test_the_model_counts_a_replay_reading_its_source_in_slices_the_slice_buffer_planned(monkeypatch):
+    """A replayed convolution that reads its coded source a slice at a time is counted the
+    bytes of the slice buffer the compiled program plans for its run, not a whole decoded copy;
+    a replay of another layer (a residual sum) reads a whole copy."""
+    from minigist.layers.conv import Convolution
+    from minigist.memory import align
+    from minigist.passes.gist_steps import StreamedReplay
+    monkeypatch.setattr(Convolution, "chunk_bytes", 1)
+    monkeypatch.setattr(minigist.passes.gist, "STREAM_MIN_BYTES", 0)
+    path = model("resnet20")
+    options = Options(batch_size=BATCH, densities=densities_of("resnet20", batches(3)), update="fused")
+    optimizer = Optimizer(path, options, COST)
+    program = compile(path, options.replace(gist="lossless", recompute=list(optimizer.stashes)[::2])).program
+    by_step = {}         # a forward step of a chain -> (the stash it rebuilds, the source it reads)
+    for stash in optimizer.stashes.values():
+        for source, indices in stash.source_readers.items():
+            for index in indices:
+                by_step[index] = (stash, optimizer.stashes[source])
+    forward = {step.layer.name: index for index, step in enumerate(optimizer.base.program.steps)
+               if step.kind == "forward"}
+    streamed = [step for step in program.steps if isinstance(step.op, StreamedReplay)]
+    assert streamed
+    for step in streamed:
+        stash, source = by_step[forward[step.layer.name]]
+        planned = align(program.buffers[step.args["x"][0]].nbytes)
+        assert optimizer._replay_slice(stash, source) == planned == source.nbytes // BATCH
+    sums = [(stash, optimizer.stashes[source]) for stash in optimizer.stashes.values()
+            for source, indices in stash.source_readers.items()
+            if any(optimizer.base.program.steps[i].layer.type == "Eltwise" for i in indices)]
+    assert sums and all(optimizer._replay_slice(stash, source) == 0 for stash, source in sums)
+
+
 @pytest.mark.slow
 def test_the_plan_is_the_compiled_plan_and_fits(resnet20):
     optimizer, _ = resnet20

@@ -266,6 +266,31 @@ def test_replays_decode_their_sources_into_copies_of_their_own():
             assert first.kind == "backward" and encoding.decoded in first.buffer_names(), name
 
 
+@pytest.mark.parametrize("name,alloc,shared", [("resnet20", "static", False), ("resnet20", "dynamic", True),
+                                               ("vgg_small", "static", True)])
+def test_replayed_convolutions_read_their_coded_sources_a_slice_at_a_time(name, alloc, shared, monkeypatch):
+    """Lossless, every other stash dropped, one sample per convolution chunk: a replayed
+    convolution whose source is SSDC-coded reads it a decoded slice at a time (StreamedReplay)
+    into a one-sample buffer of its run, which no decode step writes; training stays bit for bit
+    that of none at the same chunks."""
+    from minigist.layers.conv import Convolution
+    from minigist.passes.gist_steps import StreamedReplay
+    monkeypatch.setattr(Convolution, "chunk_bytes", 1)
+    monkeypatch.setattr(minigist.passes.gist, "STREAM_MIN_BYTES", 0)
+    tensors = stashed_blobs(model(name))[::2]
+    expected_net, expected = train(model(name), batches(2), alloc)
+    net, losses = train(model(name), batches(2), alloc, "lossless", tensors, shared=tensors if shared else ())
+    assert_same_training(expected_net, expected, net, losses)
+    program = net.programs["train"]
+    streamed = [step for step in program.steps if isinstance(step.op, StreamedReplay)]
+    assert streamed
+    decoded = {step.args["out"] for step in program.steps if step.kind == "decode"}
+    for step in streamed:
+        source = program.buffers[step.args["x"][0]]
+        assert isinstance(step.layer, Convolution) and source.kind == "dec" and source.part, step.label
+        assert source.shape[0] == 1 and source.name not in decoded, step.label
+
+
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])
 @pytest.mark.parametrize("gist", ["none", "lossless"])
 def test_dropout_replays_its_mask(tmp_path, alloc, gist):

@@ -161,6 +161,12 @@ class Layer:
         encoded per sample can be decoded one slice at a time); 0: it reads x[0] whole."""
         return 0
 
+    def forward_stream_chunk(self):
+        """Samples of its first bottom the forward reads at a time, as x[0][n0:n0 + b] slices
+        of at most b samples and nothing else (so that a replay of it can read a stash encoded
+        per sample one decoded slice at a time); 0: it reads x[0] whole."""
+        return 0
+
     def reads_half(self):
         """Whether the backward takes its stream_role's first tensor (x[0], or y[0]) as a
         float16 array of the same shape instead of the float32 one, reading each element as

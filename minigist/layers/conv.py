@@ -17,7 +17,8 @@ minigist/layers/conv_geometry.py) and settings from it, and answers:
   (x given only with gw; gx, gw and gb may be None);
 - `fuses_bias_gradient(weight_grad)`: whether its backward computes gb itself;
 - `inplace_safe()`: whether gx may overwrite gy (y x) where their shapes agree;
-- `stream_chunk()`: the samples of x its backward reads at a time (0: all at once).
+- `stream_chunk()`: the samples of x its backward reads at a time (0: all at once); its
+  forward reads x in the same chunks.
 
 So a further engine is a module and one entry in `ENGINE_TYPES`.
 """
@@ -139,6 +140,11 @@ class Convolution(Layer):
     def stream_chunk(self):
         """Samples of x the backward reads at a time (x[0][n0:n0 + b]): a stash encoded per
         sample can be decoded one such slice at a time (minigist.codecs.segmented)."""
+        return self.conv_engine().stream_chunk()
+
+    def forward_stream_chunk(self):
+        """The backward's slices: each engine's forward runs the batch in the same chunks
+        (im2col's 1x1 path does so where x is such a slice reader)."""
         return self.conv_engine().stream_chunk()
 
     def workspace(self, phase, gx_needed=None):

@@ -235,10 +235,13 @@ class Im2colEngine:
         pix = oh * ow
         weight = weights.reshape(g, o // g, layer.cols)
         if layer.pointwise:
-            # in place (y over x): each chunk of x goes to the staging workspace first
+            # in place (y over x): each chunk of x goes to the staging workspace first; x read
+            # from a slice reader (a replay's source decoded from Gist's per-sample codes, which
+            # hands out at most `chunk_samples` samples at a time) goes in the backward's chunks
             stage = ws.get("stage")
-            inplace = stage is not None and xp.may_share_memory(x0, y0)
-            chunk = stage.size // self._stage_elems() if inplace else n
+            sliced = hasattr(x0, "chunk_samples")
+            inplace = stage is not None and not sliced and xp.may_share_memory(x0, y0)
+            chunk = stage.size // self._stage_elems() if inplace else self.chunk() if sliced else n
             y4 = y0.reshape(n, g, o // g, pix)
             for n0 in range(0, n, chunk):
                 xc = x0[n0:n0 + chunk]

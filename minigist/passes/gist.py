@@ -2,9 +2,11 @@
 
 Reads: the training program (typed buffers, liveness; after passes/recompute.py, whose
 replays are readers too: the stashes they start from get only codes that hold their values,
-decoded for each run of replays into a copy of its own), the graph's layer facts (sparse_output,
+decoded for each run of replays into a copy of its own, or, where each replay of the run reads
+it a slice at a time, into a slice buffer of the run), the graph's layer facts (sparse_output,
 keeps_zeros, argmax_positions, mask_backward, gradient_only_where_positive, elementwise,
-stream_chunk/stream_role, reads_half, emits_top_slices) and the GistConfig.
+stream_chunk/stream_role, forward_stream_chunk, reads_half, emits_top_slices) and the
+GistConfig.
 Provides: a new program with encode and decode steps and Gist's step kinds
 (passes/gist_steps.py), encoded and decoded buffers, the stashes' categories moved, and
 `program.encodings` for the report. Liveness is recomputed; nothing else is touched.
@@ -48,7 +50,8 @@ from ..codecs.dpr import DPR, HalfStash
 from ..codecs.segmented import PerSample
 from ..codecs.ssdc import SSDC
 from ..program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in
-from .gist_steps import Decode, Encode, IdentityBackward, MaskBackward, StreamedBackward, WriteCodes
+from .gist_steps import (Decode, Encode, IdentityBackward, MaskBackward, StreamedBackward, StreamedReplay,
+                         WriteCodes)
 
 # a stash smaller than this is decoded whole, once, before its first backward reader: each
 # reader of a streamed stash decodes it again, and for a small tensor the time matters more
@@ -107,8 +110,8 @@ class _Builder:
         # buffer -> indices of the backward steps that read it, and of the replays of a
         # recomputation (passes/recompute.py) that do: they need its values, so a stash they
         # read gets only a code that holds them (no mask), and each run of replays decodes it
-        # into a copy of its own, freed when the run is done: the long gap to its own backward
-        # readers holds the codes alone
+        # into a copy (or a slice buffer) of its own, freed when the run is done: the long gap
+        # to its own backward readers holds the codes alone
         self.readers, self.replay_readers = {}, {}
         for index in range(self.first_backward, len(self.steps)):
             step = self.steps[index]
@@ -121,7 +124,7 @@ class _Builder:
         self.identity_relus = set()   # backward step indices turned into copies
         self.mask_relus = {}          # backward step index -> stashed buffer read as a mask
         self.sparse_memo = {}
-        self.streams = {}             # backward step index -> {decoded buffer: stream details}
+        self.streams = {}             # backward or replay step index -> {slice buffer: stream details}
 
     # ---- choosing ---------------------------------------------------------------------
     def producer(self, buffer):
@@ -228,7 +231,10 @@ class _Builder:
             # read as it is: neither a decoded copy nor a streamed slice buffer
             direct = self.read_as_half(name, codec)
             chunk = 0 if direct else self.stream_chunk(name, codec)
-            if chunk:
+            runs = self.replay_runs(name)
+            run_chunks = {run: 0 if direct else self.replay_stream_chunk(name, codec, indices)
+                          for run, indices in runs.items()}
+            if chunk or any(run_chunks.values()):
                 codec = self.per_sample(buffer, codec)
             if direct:
                 codec = HalfStash()
@@ -248,19 +254,26 @@ class _Builder:
                     note=tensor))
             whole = not direct and not chunk
             first = min(readers)
-            for run, indices in self.replay_runs(name).items():
+            for run, indices in runs.items():
                 if whole and run == first:  # right before the first reader: they share its decode
                     first = min(indices)
                     for index in indices:
                         renames.setdefault(index, {})[name] = f"dec:{tensor}"
                     continue
                 own = f"dec:{tensor}#{run}"
-                buffers[own] = Buffer(own, buffer.shape, np.dtype(codec.decoded_dtype(buffer.dtype)), STASH,
+                replay_chunk = run_chunks[run]
+                own_shape = (replay_chunk,) + tuple(buffer.shape[1:]) if replay_chunk else buffer.shape
+                buffers[own] = Buffer(own, own_shape, np.dtype(codec.decoded_dtype(buffer.dtype)), STASH,
                                       buffer.layer, kind="dec", tensor=tensor, part=str(run))
                 own_ws = _workspace(buffers, codec.workspace(buffer.shape, "decode"), f"{tensor}.decode#{run}",
                                     buffer.layer)
-                decodes.setdefault(min(indices), []).append(Step(
-                    "decode", None, {"enc": encoded, "out": own, "ws": own_ws}, op=Decode(codec, tensor), note=tensor))
+                if replay_chunk:    # no decode step: each replay decodes the slices it reads
+                    for index in indices:
+                        self.streams.setdefault(index, {})[own] = (codec, tensor, encoded, own_ws)
+                else:
+                    decodes.setdefault(min(indices), []).append(Step(
+                        "decode", None, {"enc": encoded, "out": own, "ws": own_ws}, op=Decode(codec, tensor),
+                        note=tensor))
                 for index in indices:
                     renames.setdefault(index, {})[name] = own
             if direct:  # the readers take the fp16 codes themselves: nothing to decode
@@ -300,11 +313,15 @@ class _Builder:
         return result
 
     def rewrite(self, index, step, renames, encodings):
-        if step.kind != "backward":     # a replay reads the decoded copies; a forward, nothing
+        if step.kind != "backward":     # a replay reads decoded copies or slices; a forward, nothing
             if not renames:
                 return step
-            return Step(step.kind, step.layer, {role: _rename(value, renames) for role, value in step.args.items()},
-                        op=step.op, note=step.note)
+            args = {role: _rename(value, renames) for role, value in step.args.items()}
+            streams = self.streams.get(index)
+            if not streams:
+                return Step(step.kind, step.layer, args, op=step.op, note=step.note)
+            args["stream"] = _stream_args(streams)
+            return Step(step.kind, step.layer, args, op=StreamedReplay(dict(streams)), note=step.note)
         args = {role: _rename(value, renames) for role, value in step.args.items()}
         op = None
         if index in self.identity_relus:
@@ -316,9 +333,7 @@ class _Builder:
             args["ws"] = {k: v for k, v in args["ws"].items() if k != "mask"}   # the decoded mask replaces it
         streams = self.streams.get(index)
         if streams:
-            # the encoded parts and decode workspace are read by this step: part of its lifetime
-            args["stream"] = {f"{tensor}.{role}.{part}": buffer for _, tensor, encoded, ws in streams.values()
-                              for role, names in (("enc", encoded), ("ws", ws)) for part, buffer in names.items()}
+            args["stream"] = _stream_args(streams)
             assert op is None, f"{step.label}: a stash read in encoded form is not streamed"
             op = StreamedBackward(dict(streams))
         return Step(step.kind, step.layer, args, op=op)
@@ -386,6 +401,29 @@ class _Builder:
         # one decode step before the first reader costs the same memory and decodes once
         return chunk if chunk < self.graph.batch_size else 0
 
+    def replay_stream_chunk(self, name, codec, indices):
+        """Samples per slice when every replay of one run (`indices`: those that read `name`,
+        passes/recompute.py) can read it slice by slice: it is the replayed layer's first input
+        and nothing else of the step, and the layer's forward reads that input in slices
+        (Layer.forward_stream_chunk: a convolution); for a codec of values (SSDC, DPR); else 0.
+        Each replay of the run then decodes the slices it reads into a slice buffer of the run,
+        instead of a decode step writing a whole copy of the tensor for the run."""
+        buffer = self.program.buffers[name]
+        if not indices or not isinstance(codec, (SSDC, DPR)) or buffer.kind != "blob":
+            return 0
+        if buffer.shape[0] != self.graph.batch_size or buffer.nbytes < STREAM_MIN_BYTES:
+            return 0
+        chunk = 1
+        for index in indices:
+            step = self.steps[index]
+            x = step.args.get("x") or []
+            if not x or x[0] != name or name in x[1:] or step.layer.forward_stream_chunk() <= 0:
+                return 0
+            if any(name in names_in(step.args.get(role)) for role in ("y", "saved")):
+                return 0
+            chunk = max(chunk, step.layer.forward_stream_chunk())
+        return chunk if chunk < self.graph.batch_size else 0
+
     def per_sample(self, buffer, codec):
         """The per-sample form of a value codec (SSDC capacity divided over the samples)."""
         batch = buffer.shape[0]
@@ -421,6 +459,13 @@ def _rename(value, renames):
 def _copy(buffer):
     return Buffer(buffer.name, buffer.shape, buffer.dtype, buffer.category, buffer.layer, pinned=buffer.pinned,
                   kind=buffer.kind, tensor=buffer.tensor, part=buffer.part)
+
+
+def _stream_args(streams):
+    """The encoded parts and decode workspace a streaming step reads (part of their lifetime),
+    as one step argument."""
+    return {f"{tensor}.{role}.{part}": buffer for _, tensor, encoded, ws in streams.values()
+            for role, names in (("enc", encoded), ("ws", ws)) for part, buffer in names.items()}
 
 
 def _workspace(buffers, decls, prefix, layer):

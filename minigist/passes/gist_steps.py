@@ -167,6 +167,24 @@ class Decode(_CodecStep):
         return decode
 
 
+class StreamedReplay:
+    """A replay (passes/recompute.py) whose first input in `streams` ({slice buffer: (codec,
+    tensor, enc, ws)}) is encoded per sample: the layer's forward reads it through a
+    StreamedStash, one decoded slice at a time (Layer.forward_stream_chunk)."""
+
+    def __init__(self, streams):
+        self.streams = streams
+
+    def bind(self, step, arrays, xp, stats):
+        layer = step.layer
+        x, y, p, saved, ws = _layer_arrays(step, arrays, ("x", "y", "p", "saved", "ws"))
+        for name, (codec, tensor, encoded, decode_ws) in self.streams.items():
+            reader = StreamedStash(xp, codec, arrays_for(arrays, encoded), arrays_for(arrays, decode_ws),
+                                   arrays[name], stats, tensor)
+            x = [reader if n == name else a for n, a in zip(step.args["x"], x)]
+        return lambda: layer.replay_forward(xp, x, y, p, saved, ws)
+
+
 def _layer_arrays(step, arrays, roles):
     return [arrays_for(arrays, step.args[role]) for role in roles]
 
