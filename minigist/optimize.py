@@ -459,7 +459,7 @@ class Optimizer:
             whole = decoded is not None and decoded.nbytes >= stash.raw
             stash.options.append(_Option(label, override, False, intervals, seconds.get(tensor, 0.0),
                                          holds_values=holds_values, whole_decode=whole,
-                                         slices=holds_values and bool(encoding.decoded)))
+                                         slices=bool(encoding.decoded) and gist_pass.streams_values(encoding.codec)))
 
     def _add_recompute_option(self, stash):
         program, graph = self.base.program, self.graph
@@ -664,8 +664,9 @@ class Optimizer:
                 # a copy of its own, freed after the run; a run right before its first backward
                 # reader reads the copy that reader's whole decode makes. A run whose replays
                 # all read it a slice at a time (passes/gist.py: replay_stream_chunk) decodes
-                # it into a slice buffer instead, each replay all of it: a term per segment
-                # (where two hold, a slice more than the run's one buffer is counted)
+                # it into a slice buffer instead, each replay all of it: a term per segment,
+                # each its own row (two that hold count the larger slice, the run's one buffer;
+                # beside a whole copy, the copy)
                 decode_seconds = self.cost.bytes_seconds(other.raw + sum(n for _, _, n in option.intervals if n > 0))
                 runs = {}
                 for tensor in tensors:
@@ -687,9 +688,10 @@ class Optimizer:
 
     def _replay_slice(self, stash, source):
         """The bytes of the slice buffer a replay in `stash`'s chain decodes `source` into, where
-        every step of the chain that reads it reads it as its only input a slice at a time
-        (Layer.forward_stream_chunk: a convolution; passes/gist.py's replay_stream_chunk, with
-        its size threshold); 0 where such a replay needs a whole decoded copy."""
+        every step of the chain that reads it reads it as its first input and nowhere else, a
+        slice at a time (Layer.forward_stream_chunk: a convolution; passes/gist.py's
+        replay_stream_chunk, with its size threshold); 0 where such a replay needs a whole
+        decoded copy."""
         program = self.base.program
         name = f"blob:{source.tensor}"
         batch = program.buffers[name].shape[0]

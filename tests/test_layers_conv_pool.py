@@ -651,12 +651,13 @@ class SliceReader:
 
 
 @pytest.mark.parametrize("body", ["num_output: 6 kernel_size: 1", "num_output: 6 kernel_size: 1 group: 2",
-                                  "num_output: 6 kernel_size: 3 pad: 1 stride: 2"])
+                                  "num_output: 4 kernel_size: 1", "num_output: 6 kernel_size: 3 pad: 1 stride: 2"])
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_conv_forward_reads_a_slice_reader_in_its_stream_chunks(body, chunk, kernel_path):
     """A convolution's forward reads its input in slices of forward_stream_chunk() samples
-    (the 1x1 path too, which reads an array whole), covering the batch once, and writes the
-    bits the array gives at the same chunks."""
+    (the 1x1 path too, which reads an array whole, or through its staging workspace where the
+    shapes allow in place: 4 -> 4 channels), covering the batch once, and writes the bits the
+    array gives at the same chunks."""
     shape = (5, 4, 6, 6)
     x = np.random.default_rng(16).standard_normal(shape)
     layer = make_layer(conv_text(body), [shape])

@@ -24,7 +24,7 @@ from minigist.checkpoint import check_optimized_plan, read_checkpoint  # noqa: E
 from minigist.optimize_cli import FRONTIER_POINTS, frontier, profiled_model  # noqa: E402
 from minigist.pipeline import Options, compile  # noqa: E402
 from test_gist import batches, model  # noqa: E402
-from test_recompute import assert_same_training  # noqa: E402
+from test_recompute import assert_same_training, stashed_blobs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -129,19 +129,25 @@ def between(optimizer, fraction):
     return int(optimizer.smallest_bytes + fraction * (optimizer.baseline_footprint - optimizer.smallest_bytes))
 
 
-def test_the_model_counts_a_replay_reading_its_source_in_slices_the_slice_buffer_planned(monkeypatch):
+@pytest.mark.parametrize("name", ["resnet20", "inception_small"])
+def test_the_model_counts_a_replay_reading_its_source_in_slices_the_slice_buffer_planned(name, monkeypatch):
     """A replayed convolution that reads its coded source a slice at a time is counted the
-    bytes of the slice buffer the compiled program plans for its run, not a whole decoded copy;
-    a replay of another layer (a residual sum) reads a whole copy."""
+    bytes of the slice buffer the compiled program plans for its run, not a whole decoded copy
+    (resnet20); a run that decodes a whole copy (inception_small: a pooling replayed from a
+    concatenation beside its convolutions) has a replay the model counts that copy for; a
+    chain reading its source through a residual sum is counted a whole copy."""
     from minigist.layers.conv import Convolution
     from minigist.memory import align
     from minigist.passes.gist_steps import StreamedReplay
     monkeypatch.setattr(Convolution, "chunk_bytes", 1)
     monkeypatch.setattr(minigist.passes.gist, "STREAM_MIN_BYTES", 0)
-    path = model("resnet20")
-    options = Options(batch_size=BATCH, densities=densities_of("resnet20", batches(3)), update="fused")
+    path = model(name)
+    tensors = stashed_blobs(path)[::2]
+    calibrated = minigist.Net(path, batch_size=BATCH, seed=1, gist="lossless", recompute=tensors)
+    calibrated.calibrate(batches(2))     # the replays' sources among the tensors measured
+    options = Options(batch_size=BATCH, densities=dict(calibrated.options.densities), update="fused")
     optimizer = Optimizer(path, options, COST)
-    program = compile(path, options.replace(gist="lossless", recompute=list(optimizer.stashes)[::2])).program
+    program = compile(path, options.replace(gist="lossless", recompute=tensors)).program
     by_step = {}         # a forward step of a chain -> (the stash it rebuilds, the source it reads)
     for stash in optimizer.stashes.values():
         for source, indices in stash.source_readers.items():
@@ -150,15 +156,27 @@ def test_the_model_counts_a_replay_reading_its_source_in_slices_the_slice_buffer
     forward = {step.layer.name: index for index, step in enumerate(optimizer.base.program.steps)
                if step.kind == "forward"}
     streamed = [step for step in program.steps if isinstance(step.op, StreamedReplay)]
-    assert streamed
     for step in streamed:
         stash, source = by_step[forward[step.layer.name]]
         planned = align(program.buffers[step.args["x"][0]].nbytes)
         assert optimizer._replay_slice(stash, source) == planned == source.nbytes // BATCH
-    sums = [(stash, optimizer.stashes[source]) for stash in optimizer.stashes.values()
-            for source, indices in stash.source_readers.items()
-            if any(optimizer.base.program.steps[i].layer.type == "Eltwise" for i in indices)]
-    assert sums and all(optimizer._replay_slice(stash, source) == 0 for stash, source in sums)
+    decoded = {step.args["out"] for step in program.steps if step.kind == "decode"}
+    copies = {buffer.name for buffer in program.buffers.values() if buffer.kind == "dec" and buffer.part}
+    readers = {}         # a run's whole copy -> (stash, source) of each replay that reads it
+    for step in program.steps:
+        if step.kind == "recompute":
+            for copy in set(step.buffer_names(("x",))) & copies & decoded:
+                readers.setdefault(copy, []).append(by_step[forward[step.layer.name]])
+    for copy, pairs in readers.items():
+        assert any(optimizer._replay_slice(*pair) == 0 for pair in pairs), copy
+    if name == "resnet20":
+        assert streamed
+        sums = [(stash, optimizer.stashes[source]) for stash in optimizer.stashes.values()
+                for source, indices in stash.source_readers.items()
+                if any(optimizer.base.program.steps[i].layer.type == "Eltwise" for i in indices)]
+        assert sums and all(optimizer._replay_slice(stash, source) == 0 for stash, source in sums)
+    else:
+        assert readers
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ minigist/layers/conv_geometry.py) and settings from it, and answers:
 - `fuses_bias_gradient(weight_grad)`: whether its backward computes gb itself;
 - `inplace_safe()`: whether gx may overwrite gy (y x) where their shapes agree;
 - `stream_chunk()`: the samples of x its backward reads at a time (0: all at once); its
-  forward reads x in the same chunks.
+  forward reads x in the same chunks where x is a slice reader (a replay's encoded source).
 
 So a further engine is a module and one entry in `ENGINE_TYPES`.
 """

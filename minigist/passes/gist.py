@@ -409,7 +409,7 @@ class _Builder:
         Each replay of the run then decodes the slices it reads into a slice buffer of the run,
         instead of a decode step writing a whole copy of the tensor for the run."""
         buffer = self.program.buffers[name]
-        if not indices or not isinstance(codec, (SSDC, DPR)) or buffer.kind != "blob":
+        if not indices or not streams_values(codec) or buffer.kind != "blob":
             return 0
         if buffer.shape[0] != self.graph.batch_size or buffer.nbytes < STREAM_MIN_BYTES:
             return 0
@@ -459,6 +459,13 @@ def _rename(value, renames):
 def _copy(buffer):
     return Buffer(buffer.name, buffer.shape, buffer.dtype, buffer.category, buffer.layer, pinned=buffer.pinned,
                   kind=buffer.kind, tensor=buffer.tensor, part=buffer.part)
+
+
+def streams_values(codec):
+    """Whether a stash in `codec` can be decoded a slice at a time by the layers that read it
+    in slices: a codec of values (SSDC, DPR; per sample or not), not fp16 read as it is."""
+    inner = codec.inner if isinstance(codec, PerSample) else codec
+    return isinstance(inner, (SSDC, DPR))
 
 
 def _stream_args(streams):

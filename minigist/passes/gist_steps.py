@@ -13,7 +13,9 @@ is the run's GistStats, which the encode steps report to.
   the layer's own facts (Layer.mask_backward: from the 1-bit mask; gradient_only_where_positive:
   the fused ReLU->MaxPool code already dropped the gradient, so the backward is a copy);
 - StreamedBackward: a backward that reads a stash encoded per sample, one batch slice at a
-  time, decoding each slice as it is read.
+  time, decoding each slice as it is read;
+- StreamedReplay: a recomputation's replay (passes/recompute.py) of a layer that reads its
+  encoded source the same way (Layer.forward_stream_chunk).
 """
 import numpy as np
 
@@ -96,7 +98,7 @@ class GistStats:
 
 
 class StreamedStash:
-    """A stash encoded per sample, read by a backward step one batch slice at a time:
+    """A stash encoded per sample, read by a backward step (or a replay) one batch slice at a time:
     `reader[n0:n1]` decodes samples n0..n1-1 into the slice buffer and returns them."""
 
     def __init__(self, xp, codec, enc, ws, buffer, stats, tensor):
