@@ -233,6 +233,14 @@ def load_dataset(spec, shape, classes, holdout=0.2, split_seed=0, seed=0, synthe
                                 f"predicts {classes} classes")
         return _make_dataset(os.path.basename(os.path.normpath(spec)) or spec, images, labels, names,
                              holdout, split_seed, True, crop_pad)
+    check_spec(spec)
+
+
+def check_spec(spec):
+    """A one-line error where `spec` names no data: not a bundled name, 'synthetic' or a
+    folder (load_dataset's check, for runs that read no images: --plan-only, --summary)."""
+    if spec == "synthetic" or spec in BUNDLED or os.path.isdir(spec):
+        return
     if os.path.exists(spec):
         raise MinigistError(f"--data: {spec} is not a folder (expected a folder with one "
                             f"subfolder of images per class)")

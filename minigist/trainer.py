@@ -600,6 +600,8 @@ class Trainer:
             from .optimize_cli import check_args
             check_args(args)
         if args.summary or args.plan_only:
+            if "data" in self.given:    # read by no step, but a path that names nothing is a mistake
+                datasets.check_spec(args.data)
             args.input_channels = input_channels_for(path, args, "data" in self.given, self.out)
         if args.summary:
             self.out(summary(build_graph(path, "TRAIN", args.batch_size, args.input_size, add_loss=args.add_loss,

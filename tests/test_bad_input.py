@@ -237,6 +237,16 @@ def test_output_paths_are_checked_before_training(flag, tiny, tmp_path):
     assert time.perf_counter() - start < 60
 
 
+@pytest.mark.parametrize("flag", ["--plan-only", "--summary"])
+def test_a_missing_data_folder_is_refused_where_no_image_is_read(flag, tmp_path):
+    """--data names nothing: refused as a training run refuses it, though the plan reads
+    no image (it ran and exited 0)."""
+    one_line_error(run_cli(flag, "--model", "vgg_small", "--data", tmp_path / "missing"), "--data",
+                   "no such folder or bundled dataset")
+    (tmp_path / "file").write_text("x")
+    one_line_error(run_cli(flag, "--model", "vgg_small", "--data", tmp_path / "file"), "--data", "is not a folder")
+
+
 def test_plan_only_output_paths_too(tmp_path):
     one_line_error(run_cli("--plan-only", "--model", "vgg_small", "--report-json", tmp_path / "none" / "r.json"),
                    "--report-json", "does not exist")
