@@ -380,10 +380,7 @@ class _Builder:
         `stream_role` "y": a convolution, an LRN, a Scale, a BatchNorm's x_hat; or an
         elementwise layer reading it as its top: a ReLU), for a codec of values (SSDC, DPR);
         else 0."""
-        if not isinstance(codec, (SSDC, DPR)) or self.program.buffers[name].kind != "blob":
-            return 0
-        buffer = self.program.buffers[name]
-        if buffer.shape[0] != self.graph.batch_size or buffer.nbytes < STREAM_MIN_BYTES:
+        if not self.streamable(name, codec):
             return 0
         chunk = 1
         for index in self.readers[name]:
@@ -401,6 +398,13 @@ class _Builder:
         # one decode step before the first reader costs the same memory and decodes once
         return chunk if chunk < self.graph.batch_size else 0
 
+    def streamable(self, name, codec):
+        """Whether the stash `name` in `codec` may be read a slice at a time at all: a feature
+        map of the batch, of at least STREAM_MIN_BYTES, in a codec of values."""
+        buffer = self.program.buffers[name]
+        return (streams_values(codec) and buffer.kind == "blob" and buffer.shape[0] == self.graph.batch_size
+                and buffer.nbytes >= STREAM_MIN_BYTES)
+
     def replay_stream_chunk(self, name, codec, indices):
         """Samples per slice when every replay of one run (`indices`: those that read `name`,
         passes/recompute.py) can read it slice by slice: it is the replayed layer's first input
@@ -408,10 +412,7 @@ class _Builder:
         (Layer.forward_stream_chunk: a convolution); for a codec of values (SSDC, DPR); else 0.
         Each replay of the run then decodes the slices it reads into a slice buffer of the run,
         instead of a decode step writing a whole copy of the tensor for the run."""
-        buffer = self.program.buffers[name]
-        if not indices or not streams_values(codec) or buffer.kind != "blob":
-            return 0
-        if buffer.shape[0] != self.graph.batch_size or buffer.nbytes < STREAM_MIN_BYTES:
+        if not indices or not self.streamable(name, codec):
             return 0
         chunk = 1
         for index in indices:

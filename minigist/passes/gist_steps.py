@@ -180,11 +180,16 @@ class StreamedReplay:
     def bind(self, step, arrays, xp, stats):
         layer = step.layer
         x, y, p, saved, ws = _layer_arrays(step, arrays, ("x", "y", "p", "saved", "ws"))
-        for name, (codec, tensor, encoded, decode_ws) in self.streams.items():
-            reader = StreamedStash(xp, codec, arrays_for(arrays, encoded), arrays_for(arrays, decode_ws),
-                                   arrays[name], stats, tensor)
-            x = [reader if n == name else a for n, a in zip(step.args["x"], x)]
+        readers = _readers(self.streams, arrays, xp, stats)
+        x = [readers.get(n, a) for n, a in zip(step.args["x"], x)]
         return lambda: layer.replay_forward(xp, x, y, p, saved, ws)
+
+
+def _readers(streams, arrays, xp, stats):
+    """{slice buffer: its StreamedStash} for the `streams` of a step."""
+    return {name: StreamedStash(xp, codec, arrays_for(arrays, encoded), arrays_for(arrays, ws), arrays[name], stats,
+                                tensor)
+            for name, (codec, tensor, encoded, ws) in streams.items()}
 
 
 def _layer_arrays(step, arrays, roles):
@@ -241,13 +246,10 @@ class StreamedBackward:
         layer = step.layer
         roles = ("x", "y", "gy", "gx", "p", "gp", "saved", "ws")
         bound = _layer_arrays(step, arrays, roles)
-        chunk = None
-        for name, (codec, tensor, encoded, ws) in self.streams.items():
-            reader = StreamedStash(xp, codec, arrays_for(arrays, encoded), arrays_for(arrays, ws), arrays[name],
-                                   stats, tensor)
-            chunk = reader.chunk_samples if chunk is None else min(chunk, reader.chunk_samples)
-            for role in (0, 1):     # x, y
-                bound[role] = [reader if n == name else a for n, a in zip(step.args[roles[role]], bound[role])]
+        readers = _readers(self.streams, arrays, xp, stats)
+        chunk = min(reader.chunk_samples for reader in readers.values())
+        for role in (0, 1):     # x, y
+            bound[role] = [readers.get(n, a) for n, a in zip(step.args[roles[role]], bound[role])]
         if not layer.elementwise:
             return lambda: layer.backward(xp, *bound)
         x, y, gy, gx, p, gp, saved, ws = bound

@@ -38,8 +38,9 @@ tensors have no backward reader left, and the rebuilt copies are made in the bac
 where an encoding would save nothing), and it sees the replays as readers of the stashes they
 start from: those get only a code that holds their values (SSDC, not a 1-bit mask; under lossy
 modes a reduced precision, as any reader gets), decoded before the first replay or backward
-step that reads them (or, by a replayed convolution, a slice at a time as it reads them). Run after Gist, this pass would have to rebuild tensors from encoded
-inputs and undo encodings already planned for the tensors it drops.
+step that reads them (or, by a replayed convolution, a slice at a time as it reads them).
+Run after Gist, this pass would have to rebuild tensors from encoded inputs and undo
+encodings already planned for the tensors it drops.
 """
 from dataclasses import replace
 
