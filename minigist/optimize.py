@@ -694,15 +694,13 @@ class Optimizer:
         decoded copy."""
         program = self.base.program
         name = f"blob:{source.tensor}"
-        batch = program.buffers[name].shape[0]
-        if source.raw < gist_pass.STREAM_MIN_BYTES or batch != self.graph.batch_size:
+        batch = self.graph.batch_size
+        if not gist_pass.sliceable(program.buffers[name], batch):
             return 0
         chunk = 1
         for index in stash.source_readers.get(source.tensor, ()):
-            step = program.steps[index]
-            x = step.args["x"]
-            samples = step.layer.forward_stream_chunk()
-            if samples <= 0 or x[0] != name or name in x[1:]:
+            samples = gist_pass.forward_slices(program.steps[index], name)
+            if not samples:
                 return 0
             chunk = max(chunk, samples)
         return align(chunk * (source.raw // batch)) if chunk < batch else 0

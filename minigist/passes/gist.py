@@ -399,11 +399,8 @@ class _Builder:
         return chunk if chunk < self.graph.batch_size else 0
 
     def streamable(self, name, codec):
-        """Whether the stash `name` in `codec` may be read a slice at a time at all: a feature
-        map of the batch, of at least STREAM_MIN_BYTES, in a codec of values."""
-        buffer = self.program.buffers[name]
-        return (streams_values(codec) and buffer.kind == "blob" and buffer.shape[0] == self.graph.batch_size
-                and buffer.nbytes >= STREAM_MIN_BYTES)
+        """Whether the stash `name` in `codec` may be read a slice at a time at all."""
+        return streams_values(codec) and sliceable(self.program.buffers[name], self.graph.batch_size)
 
     def replay_stream_chunk(self, name, codec, indices):
         """Samples per slice when every replay of one run (`indices`: those that read `name`,
@@ -416,13 +413,10 @@ class _Builder:
             return 0
         chunk = 1
         for index in indices:
-            step = self.steps[index]
-            x = step.args.get("x") or []
-            if not x or x[0] != name or name in x[1:] or step.layer.forward_stream_chunk() <= 0:
+            samples = forward_slices(self.steps[index], name)
+            if not samples:
                 return 0
-            if any(name in names_in(step.args.get(role)) for role in ("y", "saved")):
-                return 0
-            chunk = max(chunk, step.layer.forward_stream_chunk())
+            chunk = max(chunk, samples)
         return chunk if chunk < self.graph.batch_size else 0
 
     def per_sample(self, buffer, codec):
@@ -460,6 +454,24 @@ def _rename(value, renames):
 def _copy(buffer):
     return Buffer(buffer.name, buffer.shape, buffer.dtype, buffer.category, buffer.layer, pinned=buffer.pinned,
                   kind=buffer.kind, tensor=buffer.tensor, part=buffer.part)
+
+
+def sliceable(buffer, batch_size):
+    """Whether a stashed buffer may be read a slice at a time at all: a feature map of the
+    batch, of at least STREAM_MIN_BYTES."""
+    return buffer.kind == "blob" and buffer.shape[0] == batch_size and buffer.nbytes >= STREAM_MIN_BYTES
+
+
+def forward_slices(step, name):
+    """The samples of buffer `name` the forward (or replay) `step` reads at a time where it
+    reads it slice by slice: its layer's first input and nowhere else in the step
+    (Layer.forward_stream_chunk: a convolution); 0 where it reads it whole."""
+    x = step.args.get("x") or []
+    if not x or x[0] != name or name in x[1:]:
+        return 0
+    if any(name in names_in(step.args.get(role)) for role in ("y", "saved")):
+        return 0
+    return max(0, step.layer.forward_stream_chunk())
 
 
 def streams_values(codec):
