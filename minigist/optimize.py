@@ -72,6 +72,11 @@ ROUNDS = 5              # compiles of candidate plans per solve, at most
 # model, but within its node limit the solver can stop above what short ones reach: GoogLeNet
 # lossless at batch 64, 583,667,968 B with long chains, 576,693,248 with short)
 SHORT_CHAIN, LONG_CHAIN = 4, 8
+# the chains within() searches a time cap with, the smaller plan kept: one replay more than short
+# chains reaches where long ones cost the cap too much (GoogLeNet lossless within 15%: 557,163,520 B
+# live at the peak with 4, 551,534,336 with 5; ResNet-50's model is larger and stops its search
+# with 5 above what 4 reach: 1,505,640,704 B against 1,502,942,976)
+WITHIN_CHAINS = (SHORT_CHAIN, SHORT_CHAIN + 1)
 # the batch chunks of the chunked layers (im2col's columns, pooling, BatchNorm, Scale, LRN)
 # where nothing fits at their own: one sample at a time for most convolutions
 SMALL_CHUNK_BYTES = 256 << 10
@@ -949,14 +954,14 @@ class Optimizer:
 
     def within(self, overhead):
         """The plan of the smallest footprint whose predicted overhead is at most `overhead`
-        (a fraction); None when the model finds none."""
+        (a fraction), searched with each of WITHIN_CHAINS (the least time among equals); None
+        when the model finds none."""
         plans = []
         for optimizer in self._family():
             cap = optimizer.baseline_seconds * (1 + overhead) - optimizer.base_seconds
             if cap >= 0:
-                plans.append(optimizer._smallest(cap_seconds=cap))
-        plans = [p for p in plans if p is not None]
-        return min(plans, key=lambda p: p.footprint_bytes) if plans else None
+                plans += [optimizer._smallest(cap_seconds=cap, chain=chain) for chain in WITHIN_CHAINS]
+        return _smaller(plans)
 
     def _family(self):
         chunked = self._chunked_optimizer()
