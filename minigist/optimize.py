@@ -27,7 +27,8 @@ between two kept ones is rebuilt together, as in Chen et al.'s checkpointing) or
 without convolutions or inner products, private (the segment's own copy, the chain's time
 again). A segment may reach back up to SHORT_CHAIN dropped tensors deep (a derived term per
 segment and source says the segment rebuilds it); LONG_CHAIN where short chains fit nothing,
-and for the smallest plan (searched with both, the smaller kept). That is a mixed 0-1 program:
+and for the smallest plan (searched with both, the smaller kept); a time cap (within()) is
+searched with WITHIN_CHAINS, the smaller plan kept. That is a mixed 0-1 program:
 minimize the time added such that the bytes at every step stay under the budget, solved by
 HiGHS's MILP solver (scipy.optimize.milp; the choices are binary, the derived terms continuous
 and at their bounds). The choice is then

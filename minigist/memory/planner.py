@@ -10,11 +10,11 @@ Two buffers may share bytes only if their lifetimes [first_use, last_use] are di
 Placement is greedy (each buffer in turn at the best-fitting or the lowest gap between the
 buffers already placed that are live at the same time, else on top), tried under several
 orderings (largest first, longest first, largest area first, greedy by breadth, the buffers
-live at the busiest steps stacked first, a skyline packing's); the smallest arena wins. Where that arena is above
-the lower bound, a repair follows: from each greedy placement in turn, smallest first, a buffer
-that ends at the top is moved to the front of its order and the buffers placed again, kept
-when the top is no higher (an optimized plan with several peaks of nearly one height: 54.7 MB
-above the bound on ResNet-50's fp16 plan within 15%, 7.5 MB after). `lower_bound()` is the
+live at the busiest steps stacked first, a skyline packing's); the smallest arena wins. Where
+that arena is above the lower bound, a repair follows: from each greedy placement in turn,
+smallest first, a buffer that ends at the top is moved to the front of its order and the
+buffers placed again, kept when the top is no higher (an optimized plan with several peaks of
+nearly one height: 54.7 MB above the bound on ResNet-50's fp16 plan within 15%, 7.5 MB after). `lower_bound()` is the
 most bytes live at any one step: no plan can be smaller.
 """
 import numpy as np
