@@ -202,9 +202,8 @@ class StaticPlanner:
         with 5-replay chains within 15%: 13.6 MB above after the repair, at the bound with it)."""
         sizes = np.array(self.sizes, dtype=object if sum(self.sizes) >= _INT64_SAFE else np.int64)
         firsts, lasts = np.array(self.firsts), np.array(self.lasts)
-        # rank: larger first, then earlier first use
         rank = np.empty(len(sizes), dtype=np.int64)
-        rank[sorted(range(len(sizes)), key=lambda i: (-self.sizes[i], self.firsts[i]))] = np.arange(len(sizes))
+        rank[self._largest_first()] = np.arange(len(sizes))
         heights = np.zeros(int(lasts.max()) + 1, dtype=sizes.dtype)
         left = np.ones(len(sizes), dtype=bool)
         order = []
@@ -225,11 +224,15 @@ class StaticPlanner:
                 heights[start:end + 1] = min(beside)
         return order
 
+    def _largest_first(self):
+        """The buffers largest first, the earliest first use among equals."""
+        return sorted(range(len(self.sizes)), key=lambda i: (-self.sizes[i], self.firsts[i]))
+
     def _orders(self):
         """The orders plan() places the buffers in, each tried with best fit, then first fit
         (made one at a time: the search ends at the first that reaches the lower bound)."""
         count = range(len(self.sizes))
-        yield sorted(count, key=lambda i: (-self.sizes[i], self.firsts[i]))
+        yield self._largest_first()
         yield sorted(count, key=lambda i: (-(self.lasts[i] - self.firsts[i]), -self.sizes[i], self.firsts[i]))
         yield sorted(count, key=lambda i: (-self.sizes[i] * (self.lasts[i] - self.firsts[i] + 1), self.firsts[i]))
         yield self._breadth_order()
