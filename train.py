@@ -230,7 +230,8 @@ def make_parser():
     group.add_argument("--update", choices=list(UPDATES),
                        help="when each parameter's SGD update runs: fused (right after its layer's "
                             "backward, so weight gradients are freed as soon as they are applied and "
-                            "share memory; the default) or separate (after the whole backward pass, "
+                            "share memory; the default), blocked (fused, and a fully connected layer's "
+                            "weight gradient above 16 MiB made and applied a block of rows at a time) or separate (after the whole backward pass, "
                             "as Caffe does; every gradient is live at once). Same weights bit for bit")
     group.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                        help="fail before training if it needs more memory than SIZE (e.g. 2GiB, 512MB)")

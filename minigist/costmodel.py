@@ -58,7 +58,11 @@ def step_flops(step):
         return 0
     if step.kind != "backward":
         return one_pass
-    passes = int(any(name is not None for name in step.args.get("gx") or ())) + int(bool(step.args.get("gp")))
+    rows = step.args.get("rows")
+    if rows is not None:        # a block of the weight gradient's rows (passes/backward.py)
+        return one_pass * (rows[1] - rows[0]) // layer.params[0].shape[0]
+    gp = step.args.get("gp") or ()
+    passes = int(any(name is not None for name in step.args.get("gx") or ())) + int(bool(gp) and gp[0] is not None)
     return one_pass * passes
 
 
@@ -95,6 +99,8 @@ def signature(step, program=None):
     name = step.layer.name if step.layer is not None else (step.note or str(step.args.get("target", "")))
     if step.kind == "update":     # a layer's weights and bias are updated by two steps
         name = f"{name}:{step.args.get('param')}"
+    if "rows" in step.args:       # a block of a weight gradient's rows, made or applied
+        name = f"{name}:rows {step.args['rows'][0]}-{step.args['rows'][1]}"
     op = "" if step.op is None or step.kind == "recompute" else type(step.op).__name__
     chunk = getattr(step.layer, "chunk_bytes", None)    # a layer's time depends on its batch chunks
     key = (kind, name, op) if chunk is None else (kind, name, op, chunk)

@@ -24,6 +24,11 @@ def bind_step(step, arrays, xp, solver, stats=None, comm=None):
     if step.kind == "forward":
         x, y, p, saved, ws = (arrays_for(arrays, args[role]) for role in ("x", "y", "p", "saved", "ws"))
         return lambda: layer.forward(xp, x, y, p, saved, ws)
+    if step.kind == "backward" and "rows" in args:     # a block of a weight gradient's rows
+        x, gy, (gw,) = (arrays_for(arrays, args[role]) for role in ("x", "gy", "gp"))
+        first, end = args["rows"]
+        gw = gw[:end - first]
+        return lambda: layer.weight_grad_rows(xp, x, gy, gw, first, end)
     if step.kind == "backward":
         bound = [arrays_for(arrays, args[role]) for role in ("x", "y", "gy", "gx", "p", "gp", "saved", "ws")]
         return lambda: layer.backward(xp, *bound)
@@ -37,8 +42,12 @@ def bind_step(step, arrays, xp, solver, stats=None, comm=None):
         target, source = arrays[args["target"]], arrays[args["source"]]
         return lambda: xp.add(target, source, out=target)
     if step.kind == "update":
-        return bind_update(xp, solver, arrays[args["param"]], arrays[args["grad"]], arrays[args["momentum"]],
-                           arrays[args["ws"]], args["lr_mult"], args["decay_mult"])
+        weight, grad, momentum = (arrays[args[role]] for role in ("param", "grad", "momentum"))
+        if "rows" in args:     # rows first:end of the weights, their gradient in a block of its own
+            first, end = args["rows"]
+            weight, grad, momentum = weight[first:end], grad[:end - first], momentum[first:end]
+        return bind_update(xp, solver, weight, grad, momentum, arrays[args["ws"]], args["lr_mult"],
+                           args["decay_mult"])
     raise ValueError(f"unknown step kind {step.kind!r}")
 
 

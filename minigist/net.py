@@ -504,9 +504,9 @@ class Net:
     def grads(self):
         """{"layer.param": gradient array} of the trained parameters after a backward pass
         (summed over the ranks, in a data-parallel net)."""
-        if self.update == "fused":
-            raise MinigistError("weight gradients are not kept with update='fused' (each is freed as soon as "
-                                "it is applied); build the Net with update='separate' to read them")
+        if self.update != "separate":
+            raise MinigistError(f"weight gradients are not kept with update={self.update!r} (each is freed as "
+                                "soon as it is applied); build the Net with update='separate' to read them")
         if self.distribution is not None and self.distribution.shard in ("gradients", "weights"):
             raise MinigistError(f"the reduced weight gradients are kept in pieces, one per rank "
                                 f"(shard='{self.distribution.shard}'); shard='none' or 'optimizer' keeps them whole")

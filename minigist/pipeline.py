@@ -27,8 +27,9 @@ from .passes.gist import apply_gist
 from .passes.inplace import mark_inplace
 from .passes.recompute import apply_recompute
 from .passes.reduce import DEFAULT_BUCKET_BYTES, SHARDS, apply_reduce
+from .program import WEIGHT_GRAD_BLOCK_BYTES
 
-UPDATES = ("separate", "fused")
+UPDATES = ("separate", "fused", "blocked")
 CONV_ENGINES = Convolution.ENGINES
 CONV_CHOICES = ("auto",) + CONV_ENGINES
 
@@ -156,7 +157,11 @@ def run_passes(graph, options, phase="TRAIN", calibrating=False):
     reduction across `options.ranks` ranks (last: it adds steps around the others' and storage
     pairs of its own)."""
     train = phase == "TRAIN"
-    program = build_program(graph, train=train, fused_update=options.update == "fused")
+    # blocked: fused, a large weight gradient made and applied a block of rows at a time; across
+    # ranks the reduction sums whole weight gradients (passes/reduce.py), so no blocks there
+    blocked = options.update == "blocked" and options.ranks == 1
+    program = build_program(graph, train=train, fused_update=options.update in ("fused", "blocked"),
+                            block_bytes=WEIGHT_GRAD_BLOCK_BYTES if blocked else None)
     if train:
         program = apply_recompute(program, options.recompute, options.recompute_shared)
         program = apply_gist(program, options.gist_config(), calibrating)

@@ -27,6 +27,10 @@ CATEGORIES = (WEIGHTS, WEIGHT_GRADS, OPTIMIZER_STATE, INPUT, STASH, FEATURE, GRA
               WORKSPACE, ENCODED, COMMUNICATION)
 PERSISTENT_CATEGORIES = (WEIGHTS, WEIGHT_GRADS, OPTIMIZER_STATE)
 UPDATE_CHUNK = 1 << 18      # elements the SGD update handles at a time
+# a weight gradient larger than this, under --update blocked on one process, is made and
+# applied a block of rows of about this size at a time (passes/backward.py): OverFeat's fc6
+# gradient (453 MB) would otherwise be live whole between its backward step and its update
+WEIGHT_GRAD_BLOCK_BYTES = 16 << 20
 
 
 @dataclass

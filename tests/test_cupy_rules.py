@@ -138,8 +138,8 @@ def test_dropout_on_the_device_path_keeps_its_fraction(tiny):
 
 
 # ---- real training steps ---------------------------------------------------------------------
-def cpu_losses(model, gist, batch_size, steps):
-    net = minigist.Net(model, batch_size=batch_size, gist=gist, conv="im2col", update="fused", seed=0)
+def cpu_losses(model, gist, batch_size, steps, update="fused"):
+    net = minigist.Net(model, batch_size=batch_size, gist=gist, conv="im2col", update=update, seed=0)
     data_shape = net.train_graph.blobs[net.train_graph.nodes[0].tops[0]].shape
     classes = int(net.train_graph.nodes[-1].layer.bottom_shapes[0][1])
     batches = [minigist.gpu.rules.relu_like_batch(data_shape, classes, k) for k in range(steps + 2)]
@@ -206,6 +206,22 @@ def test_replays_reading_coded_sources_a_slice_at_a_time_keep_cupy_rules(monkeyp
     assert report.all_violations() == [], report.lines()
     assert report.summary()["host_syncs_per_step"] <= 2
     assert any(isinstance(s.op, StreamedReplay) for s in report.net.programs["train"].steps)
+
+
+@pytest.mark.parametrize("gist", ["none", "all"])
+def test_a_weight_gradient_made_a_block_of_rows_at_a_time_keeps_cupy_rules(tmp_path, gist):
+    """fc1's gradient in blocks of rows (--update blocked, passes/backward.py): each block
+    reads a block of gy's columns in place, by one GEMM where CuPy's matmul would copy it."""
+    from test_memory import WIDE
+    path = tmp_path / "wide.prototxt"
+    path.write_text(WIDE)
+    report = check_training(str(path), gist, batch_size=4, steps=1, update="blocked")
+    assert report.all_violations() == [], report.lines()
+    assert sum("rows" in s.args for s in report.net.programs["train"].steps) == 6      # 3 blocks x 2
+    # within float32 rounding: the checker's own kernels round apart from numpy's, with or
+    # without the blocks
+    assert report.overflows == 0
+    np.testing.assert_allclose(report.losses, cpu_losses(str(path), gist, 4, 1, "blocked"), rtol=1e-6)
 
 
 @pytest.mark.slow

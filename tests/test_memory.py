@@ -503,6 +503,61 @@ def test_fused_update_places_each_update_after_its_backward(branchy):
         minigist.Net(branchy, update="later")
 
 
+# fc1's weight gradient, 4100 x 1100 float32 = 18,040,000 bytes, is above the blocked update's
+# block size (16 MiB): it is made and applied in blocks of 1920 rows (2 x 2050 rounded down to
+# a multiple of ROW_ALIGN, 192), the last of 260
+WIDE = """
+name: "wide"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 1100 } shape { dim: 4 } } }
+layer { name: "fc0" type: "InnerProduct" bottom: "data" top: "a"
+  inner_product_param { num_output: 1100 weight_filler { type: "gaussian" std: 0.03 } } }
+layer { name: "relu0" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "fc1" type: "InnerProduct" bottom: "a" top: "h"
+  inner_product_param { num_output: 4100 weight_filler { type: "gaussian" std: 0.01 }
+                        bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "h" top: "h" }
+layer { name: "fc2" type: "InnerProduct" bottom: "h" top: "out"
+  inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.01 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("gist, recompute", [("none", ()), ("lossless", ()), ("lossless", ("a@relu0",)),
+                                              ("none", ("a@relu0", "h@relu"))])
+def test_a_large_weight_gradient_is_made_and_applied_a_block_of_rows_at_a_time(gist, recompute, tmp_path):
+    """The same bits as the separate update on one BLAS thread (passes/backward.py: ROW_ALIGN),
+    with Gist's codes or a replay of fc1's input."""
+    path = tmp_path / "wide.prototxt"
+    path.write_text(WIDE)
+    rng = np.random.default_rng(5)
+    data = [(rng.standard_normal((4, 1100)).astype(np.float32), rng.integers(0, 10, 4)) for _ in range(3)]
+    reference = minigist.Net(str(path), alloc="none", seed=2, threads=1)
+    losses = [reference.train_step(*batch) for batch in data]
+    for alloc in ("none", "static", "dynamic"):
+        net = minigist.Net(str(path), alloc=alloc, seed=2, gist=gist, recompute=recompute, update="blocked",
+                           threads=1)
+        assert [net.train_step(*batch) for batch in data] == losses, alloc
+        for key, value in reference.state().items():     # weights and momentum
+            np.testing.assert_array_equal(net.state()[key], value, err_msg=f"{alloc} {key}")
+    program = net.programs["train"]
+    fc1 = [(step.kind, step.args.get("rows")) for step in program.steps[program.steps.index(
+        next(s for s in program.steps if s.label == "backward:fc1")):] if step.layer is not None
+        and step.layer.name == "fc1"]
+    blocks = [(0, 1920), (1920, 3840), (3840, 4100)]
+    assert fc1 == [("backward", None)] + [(kind, rows) for rows in blocks for kind in ("backward", "update")] + \
+        [("update", None)]
+    assert program.buffers["pgrad:fc1.weight"].shape == (1920, 1100)
+    # the weight gradients live at one time: fc1's block (1920 x 1100 x 4) beside its bias's
+    # (4100 x 4), each aligned, where the whole gradient (18,040,000 bytes) was
+    assert net.report()["peak_by_category"]["weight_grads"] == align(8_448_000) + align(16_400) == 8_464_640
+    assert reference.report()["peak_by_category"]["weight_grads"] == sum(
+        align(n) for n in (4_840_000, 4_400, 18_040_000, 16_400, 164_000, 40)) == 23_065_856
+    # across ranks the reduction sums whole gradients: no blocks there
+    sharded = minigist.pipeline.run_passes(net.train_graph, net.options.replace(ranks=2))
+    assert not any("rows" in step.args for step in sharded.steps)
+
+
 LEAKY = """
 name: "leaky"
 layer { name: "data" type: "Input" top: "data" top: "label"

@@ -20,6 +20,11 @@ from ..gpu import kernels as gpu_kernels
 
 def matmul(xp, a, b, out):
     """out[...] = a @ b, with numpy's broadcasting of the leading axes; `out` C-contiguous."""
+    if max(a.ndim, b.ndim) <= 2 and xp is not np and not all(_whole(x) for x in (a, b)) and \
+            gpu_kernels.serves(xp) and single_plan(a, b, out) and gpu_kernels.strided_gemm_usable(xp):
+        # a block of a matrix's columns (a leading dimension past its width): CuPy would copy it
+        gpu_kernels.strided_gemm(xp, a, b, out, (1, 0, 0, 0))
+        return
     if xp is np or max(a.ndim, b.ndim) <= 2 or (a.flags.c_contiguous and b.flags.c_contiguous):
         xp.matmul(a, b, out=out)
         return
@@ -34,6 +39,21 @@ def matmul(xp, a, b, out):
     a_lead, b_lead = a.shape[:-2], b.shape[:-2]
     for index in itertools.product(*(range(n) for n in lead)):
         xp.matmul(a[_broadcast(index, a_lead)], b[_broadcast(index, b_lead)], out=out[index])
+
+
+def _whole(x):
+    """Whether CuPy's 2-D product reads x as it is: C- or F-contiguous."""
+    return x.flags.c_contiguous or x.flags.f_contiguous
+
+
+def single_plan(a, b, out):
+    """Whether one cuBLAS GEMM computes the 2-D product: float32 matrices, each row- or
+    column-major with any leading dimension, `out` row-major."""
+    if not (a.ndim == b.ndim == out.ndim == 2 and a.dtype == b.dtype == out.dtype == np.float32):
+        return False
+    layout = matrix_layout(out.shape, out.strides)
+    return (layout is not None and layout[0] == "row" and matrix_layout(a.shape, a.strides) is not None
+            and matrix_layout(b.shape, b.strides) is not None)
 
 
 def _broadcast(index, shape):

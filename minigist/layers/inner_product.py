@@ -2,6 +2,7 @@
 import numpy as np
 
 from .base import Layer, filler_of, register
+from .gemm import matmul
 
 
 @register
@@ -28,6 +29,8 @@ class InnerProduct(Layer):
         if self.bias_term:
             self.add_param("bias", (self.num_output,), filler_of(p.get("bias_filler")))
         self.keeps_bottoms = (0,)
+        # W (num_output, features): a block of rows is a block of gy's columns, one GEMM each
+        self.weight_grad_in_rows = not self.transpose
         return [tuple(shape[:axis]) + (self.num_output,)]
 
     def _weight_t(self, weight):
@@ -54,6 +57,12 @@ class InnerProduct(Layer):
         if gx[0] is not None:
             xp.matmul(gy2, self._weight_t(p[0]).T, out=gx[0].reshape(self.rows, self.features))
 
+    def weight_grad_rows(self, xp, x, gy, gw, first, end):
+        gy2 = gy[0].reshape(self.rows, self.num_output)
+        # gy's columns first:end, read in place (on a GPU by one GEMM of leading dimension
+        # num_output, not a copy)
+        matmul(xp, gy2[:, first:end].T, x[0].reshape(self.rows, self.features), gw)
+
 
 @register
 class Gemm(InnerProduct):
@@ -68,6 +77,7 @@ class Gemm(InnerProduct):
         gemm = self.spec.msg.get("gemm_param")
         self.alpha = float(gemm.get("alpha", 1.0)) if gemm is not None else 1.0
         self.beta = float(gemm.get("beta", 1.0)) if gemm is not None else 1.0
+        self.weight_grad_in_rows = False     # its gradient carries alpha: made whole
         return top
 
     def forward(self, xp, x, y, p, saved, ws):

@@ -60,7 +60,7 @@ def _add_workspace(buffers, layer, phase, gx_needed=None):
     return names
 
 
-def build_program(graph, train=True, fused_update=False):
+def build_program(graph, train=True, fused_update=False, block_bytes=None):
     """The program of one training iteration (train=True) or of one inference pass.
 
     The SGD update of a parameter runs after the whole backward pass (fused_update=False, as
@@ -68,7 +68,19 @@ def build_program(graph, train=True, fused_update=False):
     the backward step of its layer (fused_update=True): nothing reads a layer's weights or its
     weight gradient after that step (shared weights are refused), so the update gives the same
     weights bit for bit, and each weight gradient lives only from its backward step to its
-    update, where the planner can reuse its bytes."""
+    update, where the planner can reuse its bytes.
+
+    With the fused update and `block_bytes` (--update blocked), a weight gradient of more bytes
+    whose layer can make it a block of rows at a time (Layer.weight_grad_in_rows: InnerProduct)
+    is never whole: the layer's backward step writes its other gradients (the input's first,
+    while the weights are still unchanged), then for each block of rows of about `block_bytes`
+    a backward step (args "rows": (first, end)) writes those rows of the gradient into one block
+    buffer and an update step (the same "rows") applies them to those rows of the weights and
+    momentum; the block buffer replaces the whole gradient in the plan. Each row is the same dot
+    products as in the whole GEMM, but a BLAS may round a block's edge rows apart from the same
+    rows inside a larger product (its kernels tile the rows; threads split them), so the weights
+    are those of the fused update to float32 rounding, and bit for bit where the tiles meet:
+    blocks start at multiples of ROW_ALIGN rows, which one OpenBLAS thread tiles alike."""
     buffers, steps = {}, []
 
     def add(kind, tensor, shape, dtype, category, layer_name, part=""):
@@ -120,6 +132,7 @@ def build_program(graph, train=True, fused_update=False):
     for node_index in reversed(backward_indices):
         node = graph.nodes[node_index]
         layer = node.layer
+        blocks = _row_blocks(layer, block_bytes) if fused_update else []
         gy = []
         for top, shape in zip(node.tops, layer.top_shapes):
             if needs_grad[top]:
@@ -143,7 +156,8 @@ def build_program(graph, train=True, fused_update=False):
         gp = []
         for index, decl in enumerate(layer.params):
             if decl.trained:
-                grad = add("pgrad", f"{layer.name}.{decl.name}", decl.shape, layer.dtype, WEIGHT_GRADS, layer.name,
+                shape = (blocks[0][1],) + tuple(decl.shape[1:]) if index == 0 and blocks else decl.shape
+                grad = add("pgrad", f"{layer.name}.{decl.name}", shape, layer.dtype, WEIGHT_GRADS, layer.name,
                            part=decl.name)
                 gp.append(grad)
                 if fused_update:
@@ -153,15 +167,17 @@ def build_program(graph, train=True, fused_update=False):
         forward = steps[node_index]
         # which input gradients the backward writes: a layer may size its workspace by them
         gx_needed = tuple(name is not None for name in gx)
+        x = [f"blob:{b}" if i in layer.keeps_bottoms else None for i, b in enumerate(node.bottoms)]
         steps.append(Step("backward", layer, {
-            "x": [f"blob:{b}" if i in layer.keeps_bottoms else None for i, b in enumerate(node.bottoms)],
+            # with blocks, the weight gradient's steps read x; this one needs only gy and W
+            "x": [None] * len(x) if blocks else x,
             "y": [f"blob:{t}" if i in layer.keeps_tops else None for i, t in enumerate(node.tops)],
-            "gy": gy, "gx": gx, "p": forward.args["p"], "gp": gp,
+            "gy": gy, "gx": gx, "p": forward.args["p"], "gp": [None] + gp[1:] if blocks else gp,
             "saved": dict(forward.args["saved"]), "ws": _add_workspace(buffers, layer, "backward", gx_needed)}))
         for target, source in accumulate:
             steps.append(Step("accumulate", None, {"target": target, "source": source}))
         if fused_update:
-            _add_updates(layer, buffers, steps, add)
+            _add_updates(layer, buffers, steps, add, blocks, {"x": x, "gy": gy, "gx": [None] * len(gx)})
 
     if not fused_update:
         for node in graph.nodes:
@@ -173,8 +189,34 @@ def build_program(graph, train=True, fused_update=False):
     return Program(graph, buffers, steps, outputs, loss_weights)
 
 
-def _add_updates(layer, buffers, steps, add):
-    """The SGD update steps of the trained parameters of `layer` that got a gradient."""
+# a multiple of the rows that OpenBLAS's sgemm kernels tile (24 on Haswell and Zen, 16 with
+# AVX-512): blocks starting there are rounded as the same rows of the whole product, on one thread
+ROW_ALIGN = 192
+
+
+def _row_blocks(layer, block_bytes):
+    """[(first, end)]: the blocks of rows of `layer`'s weight gradient where the fused update
+    makes it a block at a time: about as many as its bytes over `block_bytes`, of equal rows
+    (a multiple of ROW_ALIGN where the gradient has more; the last block may have fewer). []
+    where it is made whole: no `block_bytes`, a layer that cannot, a frozen weight, or a
+    gradient of no more bytes."""
+    if block_bytes is None or not layer.weight_grad_in_rows or not layer.params or not layer.params[0].trained:
+        return []
+    shape = layer.params[0].shape
+    row_bytes = int(np.prod(shape[1:])) * np.dtype(layer.dtype).itemsize
+    if row_bytes * shape[0] <= block_bytes:
+        return []
+    count = -(-row_bytes * shape[0] // block_bytes)
+    rows = -(-shape[0] // count)
+    if shape[0] > ROW_ALIGN:
+        rows = max(ROW_ALIGN, rows - rows % ROW_ALIGN)
+    return [(first, min(first + rows, shape[0])) for first in range(0, shape[0], rows)]
+
+
+def _add_updates(layer, buffers, steps, add, blocks=(), reads=None):
+    """The SGD update steps of the trained parameters of `layer` that got a gradient; the first
+    parameter's as a backward step and an update step per block of rows where `blocks` are
+    given (the backward steps read what `reads` names: x, gy, and gx, all None)."""
     for index, decl in enumerate(layer.params):
         if not decl.trained:
             continue
@@ -185,6 +227,12 @@ def _add_updates(layer, buffers, steps, add):
             part=decl.name)
         scratch = add("ws", f"{layer.name}.update.{decl.name}", (min(int(np.prod(decl.shape)), UPDATE_CHUNK),),
                       layer.dtype, WORKSPACE, layer.name, part=decl.name)
-        steps.append(Step("update", layer, {
-            "param": weight, "grad": grad, "momentum": momentum, "ws": scratch,
-            "lr_mult": decl.lr_mult, "decay_mult": decl.decay_mult}))
+        update = {"param": weight, "grad": grad, "momentum": momentum, "ws": scratch,
+                  "lr_mult": decl.lr_mult, "decay_mult": decl.decay_mult}
+        if index == 0 and blocks:
+            for rows in blocks:
+                steps.append(Step("backward", layer, {**reads, "y": [], "p": [], "gp": [grad], "saved": {},
+                                                      "ws": {}, "rows": rows}))
+                steps.append(Step("update", layer, {**update, "rows": rows}))
+        else:
+            steps.append(Step("update", layer, update))
