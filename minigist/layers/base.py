@@ -217,13 +217,14 @@ class Layer:
         into gp[j] (None for frozen parameters). x and y hold only the kept tensors."""
         raise NotImplementedError
 
-    # the fused update's fact (passes/backward.py): the gradient of the first parameter can be
+    # --update blocked's fact (passes/backward.py): the gradient of the first parameter can be
     # made a block of its rows at a time by weight_grad_rows, from the kept x and gy alone
     weight_grad_in_rows = False
 
     def weight_grad_rows(self, xp, x, gy, gw, first, end):
         """Write rows first:end of the first parameter's gradient into gw (end - first rows):
-        the same values, bit for bit, as those rows of the whole gradient `backward` writes."""
+        the same dot products as those rows of the whole gradient `backward` writes (a BLAS
+        may round a block's edge rows apart: passes/backward.py, ROW_ALIGN)."""
         raise NotImplementedError
 
     def __repr__(self):

@@ -20,8 +20,8 @@ from ..gpu import kernels as gpu_kernels
 
 def matmul(xp, a, b, out):
     """out[...] = a @ b, with numpy's broadcasting of the leading axes; `out` C-contiguous."""
-    if max(a.ndim, b.ndim) <= 2 and xp is not np and not all(_whole(x) for x in (a, b)) and \
-            gpu_kernels.serves(xp) and single_plan(a, b, out) and gpu_kernels.strided_gemm_usable(xp):
+    if xp is not np and not (_whole(a) and _whole(b)) and gpu_kernels.serves(xp) and single_plan(a, b, out) \
+            and gpu_kernels.strided_gemm_usable(xp):
         # a block of a matrix's columns (a leading dimension past its width): CuPy would copy it
         gpu_kernels.strided_gemm(xp, a, b, out, (1, 0, 0, 0))
         return

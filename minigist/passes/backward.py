@@ -195,7 +195,7 @@ ROW_ALIGN = 192
 
 
 def _row_blocks(layer, block_bytes):
-    """[(first, end)]: the blocks of rows of `layer`'s weight gradient where the fused update
+    """[(first, end)]: the blocks of rows of `layer`'s weight gradient where the blocked update
     makes it a block at a time: about as many as its bytes over `block_bytes`, of equal rows
     (a multiple of ROW_ALIGN where the gradient has more; the last block may have fewer). []
     where it is made whole: no `block_bytes`, a layer that cannot, a frozen weight, or a
