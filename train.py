@@ -126,6 +126,14 @@ def bucket_size(text):
         raise argparse.ArgumentTypeError(f"expected a positive size such as 25MiB or 4MB, got {text!r}") from None
 
 
+def microbatch_spec(text):
+    """BLOB:SAMPLES -> (blob, samples)."""
+    blob, _, samples = text.rpartition(":")
+    if not blob or not samples.isdigit() or int(samples) < 1:
+        raise argparse.ArgumentTypeError(f"expected BLOB:SAMPLES such as pool2:4, got {text!r}")
+    return blob, int(samples)
+
+
 def positive_seconds(text):
     value = non_negative_float(text)
     if value <= 0:
@@ -233,6 +241,12 @@ def make_parser():
                             "share memory; the default), blocked (fused, and a fully connected layer's "
                             "weight gradient above 16 MiB made and applied a block of rows at a time) or separate (after the whole backward pass, "
                             "as Caffe does; every gradient is live at once). Same weights bit for bit")
+    group.add_argument("--microbatch", type=microbatch_spec, metavar="BLOB:SAMPLES",
+                       help="run the front of the net, from its input through top BLOB, SAMPLES samples at a "
+                            "time: forward, and again in the backward pass before its backward, so none of its "
+                            "feature maps, stashes or gradients is ever whole. Same weights bit for bit; the "
+                            "front's forward runs twice. Convolutions (im2col), ReLU, pooling and LRN only; "
+                            "SAMPLES divides the batch and is a whole number of each convolution's batch chunks")
     group.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                        help="fail before training if it needs more memory than SIZE (e.g. 2GiB, 512MB)")
     group.add_argument("--optimize", action="store_true",

@@ -69,8 +69,10 @@ def step_flops(step):
 def step_bytes(step, buffers):
     """Bytes of every buffer the step names, each counted once, but its workspace: scratch of
     a batch chunk, sized to stay in the caches (the same traffic to memory whatever the chunk)."""
-    return sum(buffers[name].nbytes for name in set(step.buffer_names())
-               if name in buffers and buffers[name].category != WORKSPACE)
+    whole = set(step.args.get("whole", ()))     # a micro-batch reads rows of these
+    first, end = step.args.get("samples", (0, 0))
+    return sum(buffers[name].nbytes * (end - first) // buffers[name].shape[0] if name in whole else buffers[name].nbytes
+               for name in set(step.buffer_names()) if name in buffers and buffers[name].category != WORKSPACE)
 
 
 def _output_bytes(step, buffers):
@@ -99,6 +101,9 @@ def signature(step, program=None):
     name = step.layer.name if step.layer is not None else (step.note or str(step.args.get("target", "")))
     if step.kind == "update":     # a layer's weights and bias are updated by two steps
         name = f"{name}:{step.args.get('param')}"
+    if "samples" in step.args:    # a micro-batch of the front (passes/microbatch.py): its own work
+        first, end = step.args["samples"]
+        name = f"{name}:micro-batch of {end - first}"
     if "rows" in step.args:       # a block of a weight gradient's rows, made or applied
         name = f"{name}:rows {step.args['rows'][0]}-{step.args['rows'][1]}"
     op = "" if step.op is None or step.kind == "recompute" else type(step.op).__name__

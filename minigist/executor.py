@@ -18,6 +18,9 @@ def bind_step(step, arrays, xp, solver, stats=None, comm=None):
     `needs` name them."""
     args = step.args
     layer = step.layer
+    if "samples" in args:     # a micro-batch: rows first:end of the whole-batch buffers (passes/microbatch.py)
+        first, end = args["samples"]
+        arrays = {**arrays, **{name: arrays[name][first:end] for name in args["whole"]}}
     if step.op is not None:
         wanted = {"solver": solver, "comm": comm}
         return step.op.bind(step, arrays, xp, stats, **{name: wanted[name] for name in getattr(step.op, "needs", ())})
@@ -31,6 +34,8 @@ def bind_step(step, arrays, xp, solver, stats=None, comm=None):
         return lambda: layer.weight_grad_rows(xp, x, gy, gw, first, end)
     if step.kind == "backward":
         bound = [arrays_for(arrays, args[role]) for role in ("x", "y", "gy", "gx", "p", "gp", "saved", "ws")]
+        if args.get("accumulate"):      # a later micro-batch adds into the parameter gradients
+            return lambda: layer.backward(xp, *bound, accumulate=True)
         return lambda: layer.backward(xp, *bound)
     if step.kind == "seed":
         target, value = arrays[args["target"]], args["value"]

@@ -178,6 +178,7 @@ class OptimizedPlan:
                 "cost_model": self.cost_model.describe(), "cost_model_detail": self.cost_model.to_json(),
                 "overrides": dict(self.options.overrides), "recompute": list(self.options.recompute),
                 "recompute_shared": list(self.options.recompute_shared), "chunk_bytes": self.options.chunk_bytes,
+                "microbatch": list(self.options.microbatch) or None,
                 "decisions": [d.to_json() for d in self.decisions]}
 
 
@@ -239,7 +240,8 @@ def _positions(program, base_labels):
     original = ("forward", "backward", "seed", "zero", "accumulate", "update")
     positions, j, last = [], 0, len(base_labels) - 1
     for step in program.steps:
-        if j <= last and step.kind in original and step.label == base_labels[j]:
+        # a micro-batched front's re-runs (passes/microbatch.py) are in every program
+        if j <= last and (step.kind in original or "samples" in step.args) and step.label == base_labels[j]:
             positions.append(j)
             j += 1
         else:
@@ -306,10 +308,18 @@ class Optimizer:
         self.step_cost = [self.cost.step_seconds(s, program) for s in program.steps]
         self.base_live = live_by_step(self.base.plan).astype(np.float64)
         self.first_backward = next(i for i, s in enumerate(program.steps) if s.kind != "forward")
+        nodes = {id(node.layer): i for i, node in enumerate(self.graph.nodes)}
+        self.forward_step = {nodes[id(s.layer)]: i for i, s in enumerate(program.steps)
+                             if s.kind == "forward" and id(s.layer) in nodes}
         # what plans are compared with: every stash kept in fp32, at the layers' own chunks
         self.reference = reference
         self.baseline_footprint = reference.baseline_footprint if reference else self._needed(self.base)
         self.baseline_seconds = reference.base_seconds if reference else self.base_seconds
+        if reference is None and options.microbatch:
+            # compared with `none` as it is, its front not micro-batched
+            whole = compile(model, self.options.replace(gist="none", microbatch=()))
+            self.baseline_footprint = self._needed(whole)
+            self.baseline_seconds = self.cost.program_seconds(whole.program)
         self._chunked = None
         self.stashes = self._stashes()
         self.lossless = compile(model, self.options)
@@ -477,7 +487,10 @@ class Optimizer:
                 if buffer.category == STASH and buffer.kind == "blob":
                     sources.add(buffer.tensor)
                 return buffer.category == INPUT or buffer.kind == "blob"
-            index = graph.blobs[buffer.tensor].producer
+            # its producer's forward step (none: a micro-batched front's, rebuilt there)
+            index = self.forward_step.get(graph.blobs[buffer.tensor].producer)
+            if index is None:
+                return False
             if index in seen:
                 return True
             seen.add(index)

@@ -51,8 +51,12 @@ def plan_lines(plan):
              f"footprint: {plan.footprint_bytes:,} B ({_mib(plan.footprint_bytes)}), "
              f"{plan.ratio:.2f}x less than every stash kept in fp32 ({plan.baseline_footprint_bytes:,} B)",
              f"predicted step time: {plan.predicted_seconds:.4g} s, {1 + plan.predicted_overhead:.3f}x the "
-             f"unoptimized plan's {plan.baseline_seconds:.4g} s ({100 * plan.predicted_overhead:+.1f}%)",
-             "decisions:"]
+             f"unoptimized plan's {plan.baseline_seconds:.4g} s ({100 * plan.predicted_overhead:+.1f}%)"]
+    microbatch = getattr(plan.options, "microbatch", ())
+    if microbatch:
+        lines.append(f"front: the input through {microbatch[0]} runs {microbatch[1]} samples at a time (--microbatch), "
+                     f"its forward again in the backward pass (in the predicted time)")
+    lines.append("decisions:")
     rows = [("tensor", "layer", "choice", "bytes saved", "time added")]
     for decision in plan.decisions:
         rows.append((decision.tensor, decision.layer, decision.choice, f"{decision.bytes_saved:,}",

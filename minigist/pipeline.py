@@ -25,6 +25,7 @@ from .memory.report import footprint_report
 from .passes.backward import build_program
 from .passes.gist import apply_gist
 from .passes.inplace import mark_inplace
+from .passes.microbatch import apply_microbatch
 from .passes.recompute import apply_recompute
 from .passes.reduce import DEFAULT_BUCKET_BYTES, SHARDS, apply_reduce
 from .program import WEIGHT_GRAD_BLOCK_BYTES
@@ -47,7 +48,9 @@ class Options:
     limit); conv: an engine of CONV_CHOICES ("auto" is settled by `resolve_conv`); recompute:
     stashed tensors (buffer.tensor names, e.g. "conv1@relu1") dropped after the forward pass
     and rebuilt before their backward use (passes/recompute.py); recompute_shared: those of
-    them whose copy is kept once a replay for another tensor rebuilds it; ranks, shard, bucket_bytes:
+    them whose copy is kept once a replay for another tensor rebuilds it; microbatch: (blob,
+    samples), the front of the net through that blob run that many samples at a time
+    (passes/microbatch.py), or (); ranks, shard, bucket_bytes:
     the program of one of `ranks` data-parallel ranks (passes/reduce.py), `batch_size` then
     being each rank's share of the global batch; chunk_bytes: the batch-chunk target of every
     layer that works in chunks (None: each layer's own; smaller chunks shrink the workspace,
@@ -74,6 +77,7 @@ class Options:
     shard: str = "none"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     chunk_bytes: int = None
+    microbatch: tuple = field(default=())
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -86,6 +90,11 @@ class Options:
                     not all(isinstance(tensor, str) for tensor in value):
                 raise MinigistError(f"{name}: expected a list of tensor names, got {value!r}")
             object.__setattr__(self, name, tuple(dict.fromkeys(value)))
+        microbatch = tuple(self.microbatch or ())
+        if microbatch and (len(microbatch) != 2 or not isinstance(microbatch[0], str)
+                           or isinstance(microbatch[1], bool) or not isinstance(microbatch[1], (int, np.integer))):
+            raise MinigistError(f"--microbatch: expected BLOB:SAMPLES, got {self.microbatch!r}")
+        object.__setattr__(self, "microbatch", (microbatch[0], int(microbatch[1])) if microbatch else ())
         if self.alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {self.alloc!r}")
         if self.update not in UPDATES:
@@ -149,10 +158,34 @@ def set_chunks(graph, options):
                 layer.chunk_bytes = max(own, GPU_CHUNK_BYTES) if gpu else own
 
 
-def run_passes(graph, options, phase="TRAIN", calibrating=False):
+def microbatch_clones(model, options, graph, phase="TRAIN"):
+    """The graph the micro-batched front of `graph` (of `phase`) runs in: the model set up for a
+    batch of `options.microbatch`'s samples, its chunked layers as `graph`'s; None without one,
+    and for an evaluation batch the micro-batch does not divide (it then runs whole)."""
+    if not options.microbatch:
+        return None
+    samples = options.microbatch[1]
+    if not 0 < samples < graph.batch_size or graph.batch_size % samples:
+        if phase != "TRAIN":
+            return None
+        raise MinigistError(f"--microbatch: a micro-batch of {samples} samples must divide the batch of "
+                            f"{graph.batch_size} and be smaller")
+    clones = build_graph(model, phase, samples, options.input_size, options.dtype, add_loss=options.add_loss,
+                         input_channels=options.input_channels, conv=_conv_of(graph))
+    set_chunks(clones, options)
+    return clones
+
+
+def _conv_of(graph):
+    """The convolution engine `graph`'s layers are built for (im2col where it has none)."""
+    return next((layer.engine for layer in graph.layers if layer.type == "Convolution"), "im2col")
+
+
+def run_passes(graph, options, phase="TRAIN", calibrating=False, clones=None):
     """The passes in order: the backward program (an inference program for TEST), the
-    recomputation of `options.recompute` and Gist's schedule (training only; before Gist, so
-    that Gist encodes nothing that is recomputed; `calibrating` plans every SSDC candidate at
+    recomputation of `options.recompute` (training only), the micro-batched front of
+    `options.microbatch` (run in `clones`, microbatch_clones' graph), and Gist's schedule
+    (training only; after both, so that Gist encodes nothing that is recomputed; `calibrating` plans every SSDC candidate at
     full capacity so that a run can measure its density), the in-place pairs, then the
     reduction across `options.ranks` ranks (last: it adds steps around the others' and storage
     pairs of its own)."""
@@ -164,6 +197,11 @@ def run_passes(graph, options, phase="TRAIN", calibrating=False):
                             block_bytes=WEIGHT_GRAD_BLOCK_BYTES if blocked else None)
     if train:
         program = apply_recompute(program, options.recompute, options.recompute_shared)
+    if options.microbatch and options.ranks > 1:
+        raise MinigistError("--microbatch: not across ranks (the reduction sums whole gradients)")
+    if clones is not None:
+        program = apply_microbatch(program, options.microbatch[0], options.microbatch[1], clones)
+    if train:
         program = apply_gist(program, options.gist_config(), calibrating)
     program = mark_inplace(program)
     return apply_reduce(program, options.ranks, options.shard, options.bucket_bytes)
@@ -178,7 +216,8 @@ def compile(model, options=Options(), phase="TRAIN", graph=None, calibrating=Fal
         conv = resolve_conv(options.conv, get_xp(options.device), options.dtype)
         if options.chunk_bytes is not None:
             set_chunks(graph, options)
-    program = run_passes(graph, options, phase, calibrating)
+    clones = microbatch_clones(model, options, graph, phase)
+    program = run_passes(graph, options, phase, calibrating, clones)
     return Compiled(graph, program, MemoryPlan(program, options.alloc), conv)
 
 

@@ -104,6 +104,7 @@ class RunOptions:
     shard: str = "none"
     bucket_size: int = DEFAULT_BUCKET_BYTES
     rank_timeout: float = DEFAULT_TIMEOUT
+    microbatch: tuple = ()
     optimize: bool = False
     measure_rates: bool = False
 
@@ -462,7 +463,8 @@ def compile_options(path, args, alloc=None, gist=None):
         batch_size=args.batch_size, input_size=args.input_size, input_channels=args.input_channels, conv=args.conv,
         alloc=alloc or args.alloc, gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update,
         densities=getattr(args, "ssdc_density", None), add_loss=args.add_loss, ranks=getattr(args, "ranks", None) or 1,
-        shard=getattr(args, "shard", "none"), bucket_bytes=getattr(args, "bucket_size", DEFAULT_BUCKET_BYTES)))
+        shard=getattr(args, "shard", "none"), bucket_bytes=getattr(args, "bucket_size", DEFAULT_BUCKET_BYTES),
+        microbatch=getattr(args, "microbatch", None) or ()))
 
 
 def plan_for(path, args, alloc=None, gist=None):
@@ -573,7 +575,7 @@ class Trainer:
     def __init__(self, options, given=(), command_line=(), out=print, check_config=None,
                  environment_defaults=frozenset(), comm=None):
         self.args = copy.copy(options)
-        for key in ("ranks", "shard", "bucket_size", "rank_timeout"):     # an older caller's options
+        for key in ("ranks", "shard", "bucket_size", "rank_timeout", "microbatch"):     # an older caller's options
             if not hasattr(self.args, key):
                 setattr(self.args, key, getattr(RunOptions, key))
         self.comm = comm
@@ -761,7 +763,7 @@ class Trainer:
                   seed=args.seed, solver=solver, alloc=args.alloc, threads=args.threads,
                   input_channels=args.input_channels,
                   memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
-                  comm=self.comm, shard=args.shard, bucket_bytes=args.bucket_size,
+                  comm=self.comm, shard=args.shard, bucket_bytes=args.bucket_size, microbatch=args.microbatch or (),
                   initializers=not args.ignore_initializers, **gist_kwargs(args))
         if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
             raise MinigistError(f"--memory-budget: the weights and optimizer state alone need {net.persistent_bytes:,} "

@@ -15,7 +15,9 @@ for the larger ones; the smallest plan of all is the best of every column). "bou
 ratio no plan can pass (Optimizer.floor: the most bytes one step needs whatever is chosen).
 The cost model is FLOPs and bytes at the reference rates (costmodel.reference_model), or
 measured on this machine (one BLAS thread, as train.py's im2col default) with --measure.
-Seconds per network on stderr.
+Seconds per network on stderr. `--microbatch vgg16=pool2:4` plans VGG-16 with its front, the
+input through pool2, run 4 samples at a time (train.py --microbatch), still against `none` with
+the front whole.
 """
 import argparse
 import os
@@ -36,10 +38,11 @@ COLUMNS = ["lossless bound", "lossless min", "lossless 10%", "lossless 15%", "lo
            "fp16 min", "fp16 10%", "fp16 15%", "fp16 20%", "fp8 min"]
 
 
-def cells(name, cost, columns):
-    """{column: (ratio, overhead or None)} of one network, and its none footprint in bytes."""
+def cells(name, cost, columns, microbatch=()):
+    """{column: (ratio, overhead or None)} of one network (its front micro-batched where
+    `microbatch` is (blob, samples)), and its none footprint in bytes (the front whole)."""
     path = os.path.join(ROOT, "models", name + ".prototxt")
-    options = Options(batch_size=64, update="fused", conv="im2col", densities=densities(name))
+    options = Options(batch_size=64, update="fused", conv="im2col", densities=densities(name), microbatch=microbatch)
     row, none = {}, None
     for label, dpr, lossy in (("lossless", "fp16", False), ("fp16", "fp16", True), ("fp8", "fp8-e4m3", True)):
         wanted = [c for c in columns if c.split()[0] == label]
@@ -73,7 +76,16 @@ def main():
     parser.add_argument("--bandwidth", type=float, help="memory bandwidth, bytes/s")
     parser.add_argument("--models", nargs="*", default=PAPER + EXTRA)
     parser.add_argument("--columns", nargs="*", default=COLUMNS, help="a part of " + ", ".join(COLUMNS).replace("%", "%%"))
+    parser.add_argument("--microbatch", nargs="*", default=[], metavar="NETWORK=BLOB:SAMPLES",
+                        help="run that network's front through BLOB SAMPLES samples at a time (train.py --microbatch)")
     args = parser.parse_args()
+    fronts = {}
+    for item in args.microbatch:
+        network, _, front = item.partition("=")
+        blob, _, samples = front.rpartition(":")
+        if not network or not blob or not samples.isdigit():
+            parser.error(f"--microbatch: expected NETWORK=BLOB:SAMPLES, got {item!r}")
+        fronts[network] = (blob, int(samples))
     cost = reference_model()
     if args.measure:
         with blas.threads(1):
@@ -87,7 +99,7 @@ def main():
     ratios = {}
     for name in args.models:
         started = time.perf_counter()
-        row, none = cells(name, cost, columns)
+        row, none = cells(name, cost, columns, fronts.get(name, ()))
         shown = []
         for column in columns:
             if row.get(column) is None:
@@ -96,7 +108,8 @@ def main():
             ratio, overhead = row[column]
             ratios.setdefault(column, {})[name] = ratio
             shown.append(f"{ratio:.2f}x" + ("" if overhead is None else f" ({100 * overhead:.0f}%)"))
-        print(f"| {name} | {none / 2**20:,.0f} | " + " | ".join(shown) + " |", flush=True)
+        front = f" (front through {fronts[name][0]}, {fronts[name][1]} at a time)" if name in fronts else ""
+        print(f"| {name}{front} | {none / 2**20:,.0f} | " + " | ".join(shown) + " |", flush=True)
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     print()
     for column in columns:

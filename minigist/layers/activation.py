@@ -19,6 +19,7 @@ class ReLU(Layer):
     sparse_output = True
     elementwise = True
     mask_backward = True
+    microbatchable = True
     # the backward's mask (one byte per element) is made a batch chunk of about this at a time:
     # a whole-batch mask would be a quarter of the map's bytes at the ReLU's backward step
     chunk_bytes = 4 << 20

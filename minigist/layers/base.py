@@ -149,6 +149,11 @@ class Layer:
     mask_backward = False   # backward_from_mask(xp, mask, gy, gx, ws) gives the backward from
                             # (y[0] > 0) alone, without y
     gradient_only_where_positive = False    # gx = gy where y[0] > 0, and 0 elsewhere
+    microbatchable = False  # forward and backward compute each sample alone, the same bits for a
+                            # micro-batch as for those samples in the whole batch (set up for
+                            # it: passes/microbatch.py), and any parameter gradient, with
+                            # backward(..., accumulate=True), is added into in the order the
+                            # whole batch's backward sums the samples
 
     def argmax_positions(self):
         """The count of window positions K when its saved "argmax" holds, per output, the

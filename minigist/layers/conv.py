@@ -22,7 +22,7 @@ minigist/layers/conv_geometry.py) and settings from it, and answers:
 
 So a further engine is a module and one entry in `ENGINE_TYPES`.
 """
-from .base import Layer, expect_int_list, filler_of, register
+from .base import Layer, TensorDecl, expect_int_list, filler_of, register
 from .conv_geometry import (ConvGeometry, columns_per_group, is_pointwise, kernel_extent, output_size,
                             transposed_cheaper)
 from .conv_im2col import Im2colEngine
@@ -147,13 +147,29 @@ class Convolution(Layer):
         (im2col's 1x1 path does so where x is such a slice reader)."""
         return self.conv_engine().stream_chunk()
 
+    # set on a copy set up for a micro-batch (passes/microbatch.py): its backward may add into
+    # the parameter gradients, so it declares what adding needs
+    accumulating = False
+
+    @property
+    def microbatchable(self):
+        """The im2col engine's weight gradient adds its batch chunks in order, and a micro-batch
+        of whole chunks adds the same ones; the bias gradient adds one sample at a time, numpy's
+        order for the whole batch except with one output channel (its sum runs over the batch
+        and the pixels as one)."""
+        return self.engine == "im2col" and self.num_output > 1
+
     def workspace(self, phase, gx_needed=None):
-        return self.conv_engine().workspace(phase, gx_needed)
+        ws = self.conv_engine().workspace(phase, gx_needed)
+        if phase == "backward" and self.accumulating and self.bias_term and self.params[1].trained:
+            ws["gbpart"] = TensorDecl((self.num_output,))     # one sample's bias gradient
+        return ws
 
     def forward(self, xp, x, y, p, saved, ws):
         self.conv_engine().forward(xp, x[0], y[0], p[0], p[1] if self.bias_term else None, ws)
 
-    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws):
+    def backward(self, xp, x, y, gy, gx, p, gp, saved, ws, accumulate=False):
+        """With `accumulate` (a later micro-batch) the parameter gradients are added into."""
         gy0, gx0 = gy[0], gx[0]
         gw = gp[0] if gp else None
         gb = gp[1] if self.bias_term and len(gp) > 1 else None
@@ -161,7 +177,18 @@ class Convolution(Layer):
         if gb is not None and not engine.fuses_bias_gradient(gw is not None):
             n, o = gy0.shape[:2]
             oh, ow = self.out_hw
-            xp.sum(gy0.reshape(n, o, oh * ow), axis=(0, 2), out=gb)
+            if accumulate:
+                # numpy sums the whole batch a sample at a time into gb: the same additions
+                part = ws["gbpart"]
+                for sample in gy0.reshape(n, o, oh * ow):
+                    xp.sum(sample, axis=1, out=part)
+                    xp.add(gb, part, out=gb)
+            else:
+                xp.sum(gy0.reshape(n, o, oh * ow), axis=(0, 2), out=gb)
         if gw is None and gx0 is None:
             return
-        engine.backward(xp, x[0] if gw is not None else None, p[0], gy0, gx0, gw, gb, ws)
+        x0 = x[0] if gw is not None else None
+        if accumulate:      # only a microbatchable engine (im2col) is asked to
+            engine.backward(xp, x0, p[0], gy0, gx0, gw, gb, ws, accumulate=True)
+        else:
+            engine.backward(xp, x0, p[0], gy0, gx0, gw, gb, ws)

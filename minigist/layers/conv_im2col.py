@@ -191,12 +191,12 @@ class Im2colEngine:
                 ws["stage"] = TensorDecl((b * self._stage_elems(),))
             if weight_grad:
                 ws["gwn"] = TensorDecl((b, o * layer.cols))
-                if n > b:
+                if n > b or layer.accumulating:
                     ws["gwsum"] = TensorDecl((o * layer.cols,))
             return ws
         if weight_grad and self._gw_transposed():
             ws["gwt"] = TensorDecl((g, layer.cols, o // g))
-        elif weight_grad and n > b:
+        elif weight_grad and (n > b or layer.accumulating):
             rows = gw_rows(geom, np.dtype(layer.dtype).itemsize, layer.gw_block_bytes)
             ws["gwsum"] = TensorDecl((g, rows, layer.cols))
         ws["col"] = TensorDecl((b * col_elems(geom, phase, layer.transposed_backward),))
@@ -269,9 +269,10 @@ class Im2colEngine:
             _unfold(xp, fold.reshape(o, b, oh, wc), y0[n0:n0 + b], bias)
 
     # ---- backward -----------------------------------------------------------------------
-    def backward(self, xp, x0, weights, gy0, gx0, gw, gb, ws):
+    def backward(self, xp, x0, weights, gy0, gx0, gw, gb, ws, accumulate=False):
         """gx (where gx0 is given) and dW (where gw is given) from gy; x0 (read one chunk at
-        a time) is given with gw. The bias gradient is the layer's."""
+        a time) is given with gw. The bias gradient is the layer's. With `accumulate` every
+        chunk's dW is added in, as a whole batch's later chunks are."""
         layer = self.layer
         n, o = gy0.shape[:2]
         g = layer.group
@@ -299,7 +300,7 @@ class Im2colEngine:
                 if gw is not None:
                     xc = x0[n0:n0 + b].reshape(b, g, c // g, pix)
                     matmul(xp, gyc, xc.transpose(0, 1, 3, 2), gwn[:b])
-                    if n0 == 0:
+                    if n0 == 0 and not accumulate:
                         xp.sum(gwn[:b], axis=0, out=gw3)
                     else:
                         partial = gwsum.reshape(g, o // g, layer.cols)
@@ -345,11 +346,11 @@ class Im2colEngine:
                 if "gwt" in ws:
                     gwt = ws["gwt"]
                     matmul(xp, cols3, gyf.transpose(0, 2, 1), gwt)
-                    if n0 == 0:
+                    if n0 == 0 and not accumulate:
                         xp.copyto(gw3, gwt.transpose(0, 2, 1))
                     else:
                         xp.add(gw3, gwt.transpose(0, 2, 1), out=gw3)
-                elif n0 == 0:
+                elif n0 == 0 and not accumulate:
                     matmul(xp, gyf, colsT, gw3)
                 else:   # added in by blocks of output rows
                     rows = gwsum.shape[1]

@@ -514,6 +514,7 @@ class LRN(Layer):
     # x * scale^-beta with scale >= k (or 1) > 0, either norm_region: zero exactly where x is
     keeps_zeros = True
     param_field = "lrn_param"
+    microbatchable = True
     chunk_bytes = 4 << 20       # target size of one chunk-sized workspace
 
     def setup(self, bottom_shapes):

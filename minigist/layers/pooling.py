@@ -55,6 +55,7 @@ def _overlap(offset, src_len, dst_len):
 class Pooling(Layer):
     type = "Pooling"
     chunk_bytes = 4 << 20       # target size of the largest workspace: batch chunks of this
+    microbatchable = True
     param_field = "pooling_param"
 
     def _round_mode(self, p):

@@ -227,6 +227,10 @@ class _Builder:
             if codec is None:
                 continue
             uses = [i for i, s in enumerate(self.steps) if i < self.first_backward and name in set(s.buffer_names())]
+            # encoded once written whole: after its producer's step, or the last of them where a
+            # micro-batched front writes it a micro-batch at a time (passes/microbatch.py)
+            written = max((i for i in uses if name in names_in(self.steps[i].args.get("y"))
+                           or name in names_in(self.steps[i].args.get("saved"))), default=min(uses))
             readers = self.readers[name]
             # read as it is: neither a decoded copy nor a streamed slice buffer
             direct = self.read_as_half(name, codec)
@@ -244,12 +248,12 @@ class _Builder:
                 buffers[enc_name] = Buffer(enc_name, tuple(decl.shape), np.dtype(decl.dtype), ENCODED, buffer.layer,
                                            kind="enc", tensor=tensor, part=part)
                 encoded[part] = enc_name
-            if direct and self.producer_writes_codes(min(uses), name):
-                written_by_producer[min(uses)] = (codec, encoded)
+            if direct and "samples" not in self.steps[written].args and self.producer_writes_codes(written, name):
+                written_by_producer[written] = (codec, encoded)
             else:
                 encode_ws = _workspace(buffers, codec.workspace(buffer.shape, "encode"), f"{tensor}.encode", buffer.layer)
                 inputs = [name] + list(choice.inputs)
-                encodes.setdefault(min(uses), []).append(Step(
+                encodes.setdefault(written, []).append(Step(
                     "encode", None, {"x": inputs, "enc": encoded, "ws": encode_ws}, op=Encode(codec, tensor),
                     note=tensor))
             whole = not direct and not chunk

@@ -1,0 +1,233 @@
+"""Micro-batching the front of the net: a pass that runs the layers from the net's input
+through one blob a few samples at a time, in the forward pass and again in the backward pass,
+so that no feature map, stash or gradient of the front is ever whole.
+
+Reads: a training program from passes/recompute.py (before Gist's), `through` (a blob id: the
+front's last top), `samples` (the micro-batch), and `clones`, the graph of the same model file
+set up for a batch of `samples` (pipeline.compile builds it): its layers run the micro-batches,
+with their workspaces. Layers' facts: `microbatchable`.
+Provides: a new program where
+- the forward steps of the front (every layer before `through`'s producer, and it) run once per
+  micro-batch, in order: a step's args "samples" (first, end) and "whole" (the names of the
+  batch-sized buffers it reads or writes: the net's input, `through`) tell the executor to hand
+  it rows first:end of those; every other tensor of the front is a buffer of its own per
+  micro-batch, of `samples` rows, freed when the micro-batch is done with it;
+- where the backward reaches the front, per micro-batch, the front's forward is re-run
+  ("recompute" steps: Replay ops) into buffers of that micro-batch, then the front's backward
+  steps run on them, reading rows of `through`'s gradient; from the second micro-batch on they
+  add into the parameter gradients (args "accumulate");
+- the update steps of the front's layers come after the last micro-batch.
+Liveness is recomputed; the rest of the program is left as it is.
+
+Exactness: every layer of the front computes each sample alone, and its micro-batch is a whole
+number of its batch chunks (a convolution's weight gradient is added chunk by chunk, in the
+order of the whole batch), so the forward writes the same bits, the backward the same
+gradients. Costs: the front's forward runs twice, and the convolutions' bias gradients are
+summed a sample at a time.
+
+Order: after recomputation, which may not touch the front (its tensors are rebuilt here), and
+before Gist, which then sees only `through` of the front, written by several steps, and
+encodes it after the last.
+"""
+from dataclasses import replace
+
+import numpy as np
+
+from ..errors import MinigistError
+from ..program import FEATURE, GRADIENT, STASH, WORKSPACE, Buffer, Program, Step, names_in
+from .recompute import Replay
+
+# roles whose buffers a step reads or writes a sample per row (parameters are whole)
+_BATCH_ROLES = ("x", "y", "gy", "gx")
+
+
+def apply_microbatch(program, through, samples, clones):
+    """The program with the front through blob `through` run `samples` samples at a time (see
+    the module docstring); `program` itself is left unchanged. A one-line MinigistError
+    (naming --microbatch) when it cannot be."""
+    return _Builder(program, through, samples, clones).build()
+
+
+class _Builder:
+    def __init__(self, program, through, samples, clones):
+        self.program = program
+        self.graph = graph = program.graph
+        self.clones = clones
+        self.samples = samples
+        blob = graph.blobs.get(through)
+        if blob is None:
+            raise MinigistError(f"--microbatch: '{through}' is no top of this net")
+        self.through = f"blob:{through}"
+        self.front = [i for i in range(blob.producer + 1) if not graph.nodes[i].layer.is_data]
+        if not self.front:
+            raise MinigistError(f"--microbatch: '{through}' is the net's input; the front must hold a layer")
+        self.names = {graph.nodes[i].layer.name for i in self.front}
+        self.batch = graph.batch_size
+        self.check(through)
+        tops = {t for i in self.front for t in graph.nodes[i].tops} - {through}
+        internal = {f"blob:{t}" for t in tops}
+        internal.update(name for name, b in program.buffers.items()
+                        if (b.kind in ("grad", "zero") and b.tensor in tops)
+                        or (b.kind == "saved" and b.layer in self.names))
+        internal.update(name for step in program.steps if step.layer is not None and step.layer.name in self.names
+                        and step.kind in ("forward", "backward") for name in names_in(step.args.get("ws")))
+        self.internal = internal
+        self.buffers = {name: replace(b) for name, b in program.buffers.items() if name not in internal}
+
+    def check(self, through):
+        graph, samples, n = self.graph, self.samples, self.batch
+        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 < samples < n \
+                or n % samples:
+            raise MinigistError(f"--microbatch: a micro-batch of {samples!r} samples must divide the batch "
+                                f"of {n} and be smaller")
+        for i in self.front:
+            node = graph.nodes[i]
+            layer = node.layer
+            if layer.type == "Convolution" and layer.engine != "im2col":
+                raise MinigistError(f"--microbatch: '{layer.name}' runs on the {layer.engine} engine, which does not "
+                                    f"add a weight gradient into one a chunk at a time; use --conv im2col")
+            if not layer.microbatchable:
+                raise MinigistError(f"--microbatch: '{layer.name}' ({layer.type}) cannot run a micro-batch at a "
+                                    f"time; the front through '{through}' must hold only convolutions (im2col), "
+                                    f"ReLU, pooling and LRN")
+            chunk = layer.conv_engine().chunk() if layer.type == "Convolution" else 1
+            if samples % chunk:
+                raise MinigistError(f"--microbatch: {samples} samples are no whole number of the batch chunks of "
+                                    f"'{layer.name}' ({chunk} samples each)")
+            for top in node.tops:
+                outside = [graph.nodes[c].layer.name for c, _ in graph.blobs[top].consumers if c not in self.front]
+                if top != through and outside:
+                    raise MinigistError(f"--microbatch: '{top}' is read past the front through '{through}' "
+                                        f"(by '{outside[0]}')")
+        recomputed = [s.layer.name for s in self.program.steps if s.kind == "recompute" and s.layer.name in self.names]
+        if recomputed or self.through in self.program.encodings:
+            raise MinigistError(f"--microbatch: the front through '{through}' may not be recomputed "
+                                f"(its tensors are rebuilt a micro-batch at a time)")
+
+    # ---- buffers ------------------------------------------------------------------------
+    def local(self, name, tag):
+        """The buffer of micro-batch `tag` standing for front tensor `name`: a blob, a saved
+        tensor or a gradient of `samples` rows (the clones' shapes)."""
+        if name is None or not (name in self.internal or (name == self.through and tag[0] == "r")):
+            return name
+        local = f"{name}#{tag}"
+        if local not in self.buffers:
+            original = self.program.buffers.get(name)
+            if original is None:        # a gradient the whole-batch program did not need
+                raise MinigistError(f"--microbatch: no buffer {name} to micro-batch")
+            shape = (self.samples,) + tuple(original.shape[1:])
+            category = GRADIENT if original.category == GRADIENT else FEATURE
+            self.buffers[local] = Buffer(local, shape, original.dtype, category, original.layer,
+                                         kind=original.kind, tensor=original.tensor, part=tag)
+        return local
+
+    def workspace(self, clone, phase, tag, gx_needed=None):
+        """The clone's workspace of `phase`, buffers of micro-batch `tag`."""
+        names = {}
+        for part, decl in clone.workspace(phase, gx_needed).items():
+            tensor = f"{clone.name}.{phase}.{part}"
+            name = f"ws:{tensor}#{tag}"
+            self.buffers[name] = Buffer(name, tuple(decl.shape), np.dtype(decl.dtype or clone.dtype), WORKSPACE,
+                                        clone.name, kind="ws", tensor=tensor, part=tag)
+            names[part] = name
+        return names
+
+    def rename(self, value, tag):
+        if isinstance(value, str):
+            return self.local(value, tag)
+        if isinstance(value, dict):
+            return {key: self.rename(v, tag) for key, v in value.items()}
+        if isinstance(value, list):
+            return [self.rename(v, tag) for v in value]
+        return value
+
+    def sliced(self, args, original, k, tag):
+        """`args` with the rows of micro-batch k, and the names of the whole-batch buffers
+        (those of the `original` args that stay themselves) the executor takes them from."""
+        whole = sorted({name for role in _BATCH_ROLES for name in names_in(original.get(role))
+                        if self.local(name, tag) == name})
+        return {**args, "samples": (k * self.samples, (k + 1) * self.samples), "whole": whole}
+
+    # ---- steps --------------------------------------------------------------------------
+    def clone(self, layer):
+        return self.clones.node_of(layer.name).layer
+
+    def forward(self, step, k, replay):
+        """The forward step (replay: a recompute step in the backward pass) of micro-batch k."""
+        tag = f"{'r' if replay else 'f'}{k}"
+        clone = self.clone(step.layer)
+        args = {role: self.rename(step.args[role], tag) for role in ("x", "y", "p", "saved")}
+        args["ws"] = self.workspace(clone, "forward", tag)
+        args = self.sliced(args, step.args, k, tag)
+        if replay:
+            return Step("recompute", clone, args, op=Replay())
+        return Step("forward", clone, args)
+
+    def backward(self, step, k):
+        tag = f"r{k}"
+        if step.layer is None:      # a zero fill or an accumulation of the front's gradients
+            return Step(step.kind, None, self.rename(dict(step.args), tag), op=step.op, note=step.note)
+        clone = self.clone(step.layer)
+        args = {role: (value if role in ("p", "gp") else self.rename(value, tag)) for role, value in step.args.items()
+                if role != "ws"}
+        gx_needed = tuple(name is not None for name in step.args["gx"])
+        args["ws"] = self.workspace(clone, "backward", tag, gx_needed)
+        if k and any(name is not None for name in step.args.get("gp") or ()):
+            args["accumulate"] = True
+        return Step("backward", clone, self.sliced(args, step.args, k, tag), op=step.op)
+
+    def needed_replays(self, forward_steps, backward_steps):
+        """The front's forward steps whose tops or saved tensors its backward reads, with those
+        they read in turn."""
+        needed = {name for step in backward_steps for role in ("x", "y", "saved") for name in names_in(step.args.get(role))}
+        chosen = []
+        for step in reversed(forward_steps):
+            if any(name in needed for role in ("y", "saved") for name in names_in(step.args[role])):
+                chosen.append(step)
+                needed.update(names_in(step.args["x"]))
+        return chosen[::-1]
+
+    def build(self):
+        program, graph = self.program, self.graph
+        steps = program.steps
+        forward_steps = [steps[i] for i in self.front]
+        for index, step in zip(self.front, forward_steps):
+            if step.kind != "forward" or step.layer is not graph.nodes[index].layer:
+                raise MinigistError("--microbatch: the program's forward steps are not the graph's")
+        for layer_name in self.names:
+            layer = self.clone(graph.node_of(layer_name).layer)
+            full = graph.node_of(layer_name).layer
+            for attribute in ("chunk_bytes", "gw_block_bytes", "transposed_backward"):
+                if hasattr(full, attribute):
+                    setattr(layer, attribute, getattr(full, attribute))
+            if layer.type == "Convolution":
+                layer.batch_chunk = full.conv_engine().chunk()
+                layer.accumulating = True
+        count = self.batch // self.samples
+        first_backward = next((i for i, s in enumerate(steps) if s.kind not in ("forward",)), len(steps))
+        touches = [i for i in range(first_backward, len(steps))
+                   if (steps[i].layer is not None and steps[i].layer.name in self.names and steps[i].kind == "backward")
+                   or (steps[i].kind in ("zero", "accumulate") and any(n in self.internal for n in steps[i].buffer_names()))]
+        front_backward = [steps[i] for i in touches]
+        replays = self.needed_replays(forward_steps, front_backward)
+        result = []
+        for index, step in enumerate(steps):
+            if index == self.front[0]:
+                for k in range(count):
+                    result.extend(self.forward(s, k, replay=False) for s in forward_steps)
+            if index in self.front or index in touches[1:]:
+                continue
+            if touches and index == touches[0]:
+                for k in range(count):
+                    result.extend(self.forward(s, k, replay=True) for s in replays)
+                    result.extend(self.backward(s, k) for s in front_backward)
+                continue
+            result.append(step)
+        for name, buffer in self.buffers.items():
+            if buffer.category == STASH and not any(name in set(s.buffer_names()) for s in result
+                                                    if s.kind != "forward"):
+                buffer.category = FEATURE   # `through`, read by no backward step outside the front
+        out = Program(graph, self.buffers, result, program.outputs, program.loss_weights)
+        out.encodings = dict(program.encodings)
+        out.microbatch = (self.through, self.samples)
+        return out

@@ -1,0 +1,146 @@
+"""The micro-batched front (passes/microbatch.py): the layers from the net's input through one
+blob run a few samples at a time, forward and again in the backward pass, bit for bit."""
+import os
+
+import numpy as np
+import pytest
+
+import minigist
+from minigist.errors import MinigistError
+from minigist.optimize import Optimizer, Settings
+from minigist.pipeline import Options, compile
+from test_gist import batches, model
+
+VGG = model("vgg_small")
+# one sample per convolution chunk: a micro-batch is then any whole number of them (the layers'
+# own chunks of 8 MB hold the whole batch of vgg_small's first convolution)
+BASE = Options(batch_size=8, update="fused", chunk_bytes=1)
+
+
+def train(options, data, recompute=()):
+    net = minigist.Net(VGG, seed=1, plan=Settings(options.replace(recompute=recompute)),
+                       solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+    if options.gist != "none":
+        net.calibrate(data[:2])
+    return net, [net.train_step(*batch) for batch in data]
+
+
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+@pytest.mark.parametrize("gist", ["none", "lossless"])
+@pytest.mark.parametrize("microbatch", [("pool1", 2), ("pool2", 4), ("conv1_1", 4)])
+def test_a_micro_batched_front_trains_bit_identically(alloc, gist, microbatch):
+    data = batches(2, batch_size=8)
+    options = BASE.replace(alloc=alloc, gist=gist)
+    reference, expected = train(options, data)
+    net, losses = train(options.replace(microbatch=microbatch), data)
+    assert losses == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+    program = net.programs["train"]
+    samples = microbatch[1]
+    runs = [s for s in program.steps if s.kind == "forward" and s.layer.name == "conv1_1"]
+    assert [s.args["samples"] for s in runs] == [(k, k + samples) for k in range(0, 8, samples)]
+    # later micro-batches add into conv1_1's gradients; each re-runs the front first where its
+    # backward reads more than the net's input
+    backward = [s for s in program.steps if s.kind == "backward" and s.layer.name == "conv1_1"]
+    assert [bool(s.args.get("accumulate")) for s in backward] == [False] + [True] * (8 // samples - 1)
+    replays = sum(s.kind == "recompute" and s.layer.name == "conv1_1" for s in program.steps)
+    assert replays == (0 if microbatch[0] == "conv1_1" else 8 // samples)
+
+
+def test_a_micro_batched_front_with_recomputation_behind_it_trains_bit_identically():
+    data = batches(2, batch_size=8)
+    options = BASE.replace(gist="lossless")
+    behind = ("conv3_1@relu3_1", "pool3")
+    reference, expected = train(options, data, recompute=behind)
+    net, losses = train(options.replace(microbatch=("pool2", 4)), data, recompute=behind)
+    assert losses == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+
+
+def test_no_tensor_of_the_front_is_whole_and_the_plan_shrinks_exactly():
+    whole = compile(VGG, BASE)
+    front = compile(VGG, BASE.replace(microbatch=("pool2", 4)))
+    layers = {"conv1_1", "relu1_1", "conv1_2", "relu1_2", "pool1", "conv2_1", "relu2_1", "conv2_2", "relu2_2", "pool2"}
+    for name, buffer in front.program.buffers.items():
+        if buffer.layer in layers and buffer.kind in ("blob", "saved", "grad") and name != "blob:pool2":
+            assert buffer.shape[0] == 4, name
+    assert "blob:pool2" in front.program.buffers and front.program.buffers["blob:pool2"].shape[0] == 8
+    # the static plans, to the byte (and the evaluation program's part, micro-batched too)
+    assert (whole.plan.footprint_bytes, front.plan.footprint_bytes) == (24669952, 17657600)
+    test_whole = compile(VGG, BASE, "TEST").plan.transient_bytes
+    test_front = compile(VGG, BASE.replace(microbatch=("pool2", 4)), "TEST").plan.transient_bytes
+    assert (test_whole, test_front) == (5088256, 4301824)
+    # the arena a step runs in is the plan
+    net, _ = train(BASE.replace(microbatch=("pool2", 4)), batches(1, batch_size=8))
+    assert net.report()["footprint_bytes"] == front.plan.footprint_bytes
+
+
+@pytest.mark.parametrize("microbatch, message", [
+    (("pool9", 4), r"^--microbatch: 'pool9' is no top of this net$"),
+    (("pool2", 3), r"^--microbatch: a micro-batch of 3 samples must divide the batch of 8 and be smaller$"),
+    (("pool2", 8), r"^--microbatch: a micro-batch of 8 samples must divide the batch of 8 and be smaller$"),
+    (("fc", 4), r"^--microbatch: 'fc' \(InnerProduct\) cannot run a micro-batch at a time"),
+    (("data", 4), r"^--microbatch: 'data' is the net's input"),
+])
+def test_a_front_that_cannot_be_micro_batched_is_refused_in_one_line(microbatch, message):
+    with pytest.raises(MinigistError, match=message):
+        compile(VGG, BASE.replace(microbatch=microbatch))
+
+
+def test_a_micro_batch_must_hold_whole_convolution_chunks():
+    # at the layers' own chunk sizes conv1_1's chunk is the whole batch of 8
+    with pytest.raises(MinigistError, match=r"^--microbatch: 4 samples are no whole number of the batch chunks "
+                                            r"of 'conv1_1' \(8 samples each\)$"):
+        compile(VGG, BASE.replace(chunk_bytes=None, microbatch=("pool1", 4)))
+
+
+def test_a_tensor_read_past_the_front_is_refused(tmp_path):
+    path = tmp_path / "skip.prototxt"
+    path.write_text("""
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 4 dim: 3 dim: 8 dim: 8 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2" convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "sum" type: "Eltwise" bottom: "conv1" bottom: "conv2" top: "sum" }
+layer { name: "fc" type: "InnerProduct" bottom: "sum" top: "fc" inner_product_param { num_output: 2 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+""")
+    with pytest.raises(MinigistError, match=r"^--microbatch: 'conv1' is read past the front through 'conv2' \(by 'sum'\)$"):
+        compile(str(path), Options(chunk_bytes=1, microbatch=("conv2", 2)))
+
+
+def test_the_front_may_not_also_be_recomputed():
+    with pytest.raises(MinigistError, match=r"^--microbatch: the front through 'pool2' may not be recomputed"):
+        compile(VGG, BASE.replace(recompute=("pool2",), microbatch=("pool2", 4)))
+
+
+def test_the_optimizer_plans_behind_a_micro_batched_front_against_the_whole_none():
+    options = Options(batch_size=8, update="fused", chunk_bytes=1)
+    plain = Optimizer(VGG, options, minigist.costmodel.reference_model())
+    front = Optimizer(VGG, options.replace(microbatch=("pool2", 4)), minigist.costmodel.reference_model())
+    # one baseline: every stash kept, the front whole
+    assert front.baseline_footprint == plain.baseline_footprint
+    assert front.floor()[0] < plain.floor()[0]
+    plan = front.smallest()
+    assert plan.ratio > plain.smallest().ratio
+    # the front's own tensors are no choices; what lies behind it is
+    assert not any(d["tensor"].startswith(("conv1_", "conv2_", "pool1")) for d in plan.to_json()["decisions"])
+    assert plan.options.microbatch == ("pool2", 4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--microbatch", "pool2"], "argument --microbatch: expected BLOB:SAMPLES such as pool2:4, got 'pool2'"),
+    (["--microbatch", "pool2:4"], "--microbatch: 'conv1_1' runs on the onednn engine"),
+])
+def test_the_command_line_refuses_a_bad_microbatch_in_one_line(flags, message):
+    import subprocess
+    import sys
+    from minigist import onednn
+    if "onednn" in message and not onednn.available():
+        pytest.skip("oneDNN is not installed: --conv auto is im2col")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run([sys.executable, os.path.join(root, "train.py"), "--model", "vgg16", "--batch-size", "8",
+                           "--plan-only"] + flags, capture_output=True, text=True, cwd=root)
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) <= 2, done.stderr
