@@ -25,7 +25,7 @@ from .memory.report import footprint_report
 from .passes.backward import build_program
 from .passes.gist import apply_gist
 from .passes.inplace import mark_inplace
-from .passes.microbatch import apply_microbatch
+from .passes.microbatch import apply_microbatch, check_samples
 from .passes.recompute import apply_recompute
 from .passes.reduce import DEFAULT_BUCKET_BYTES, SHARDS, apply_reduce
 from .program import WEIGHT_GRAD_BLOCK_BYTES
@@ -158,27 +158,19 @@ def set_chunks(graph, options):
                 layer.chunk_bytes = max(own, GPU_CHUNK_BYTES) if gpu else own
 
 
-def microbatch_clones(model, options, graph, phase="TRAIN"):
-    """The graph the micro-batched front of `graph` (of `phase`) runs in: the model set up for a
-    batch of `options.microbatch`'s samples, its chunked layers as `graph`'s; None without one,
-    and for an evaluation batch the micro-batch does not divide (it then runs whole)."""
+def microbatch_clones(model, options, graph, conv, phase="TRAIN"):
+    """The graph the micro-batched front of `graph` (of `phase`, built for engine `conv`) runs
+    in: the model set up for a batch of `options.microbatch`'s samples (the pass gives its front
+    the whole batch's chunks); None without one, and for an evaluation batch the micro-batch
+    does not divide (it then runs whole)."""
     if not options.microbatch:
         return None
     samples = options.microbatch[1]
-    if not 0 < samples < graph.batch_size or graph.batch_size % samples:
-        if phase != "TRAIN":
-            return None
-        raise MinigistError(f"--microbatch: a micro-batch of {samples} samples must divide the batch of "
-                            f"{graph.batch_size} and be smaller")
-    clones = build_graph(model, phase, samples, options.input_size, options.dtype, add_loss=options.add_loss,
-                         input_channels=options.input_channels, conv=_conv_of(graph))
-    set_chunks(clones, options)
-    return clones
-
-
-def _conv_of(graph):
-    """The convolution engine `graph`'s layers are built for (im2col where it has none)."""
-    return next((layer.engine for layer in graph.layers if layer.type == "Convolution"), "im2col")
+    if phase != "TRAIN" and (samples >= graph.batch_size or graph.batch_size % samples):
+        return None
+    check_samples(samples, graph.batch_size)
+    return build_graph(model, phase, samples, options.input_size, options.dtype, add_loss=options.add_loss,
+                       input_channels=options.input_channels, conv=conv)
 
 
 def run_passes(graph, options, phase="TRAIN", calibrating=False, clones=None):
@@ -216,7 +208,7 @@ def compile(model, options=Options(), phase="TRAIN", graph=None, calibrating=Fal
         conv = resolve_conv(options.conv, get_xp(options.device), options.dtype)
         if options.chunk_bytes is not None:
             set_chunks(graph, options)
-    clones = microbatch_clones(model, options, graph, phase)
+    clones = microbatch_clones(model, options, graph, conv, phase)
     program = run_passes(graph, options, phase, calibrating, clones)
     return Compiled(graph, program, MemoryPlan(program, options.alloc), conv)
 

@@ -248,7 +248,7 @@ class _Builder:
                 buffers[enc_name] = Buffer(enc_name, tuple(decl.shape), np.dtype(decl.dtype), ENCODED, buffer.layer,
                                            kind="enc", tensor=tensor, part=part)
                 encoded[part] = enc_name
-            if direct and "samples" not in self.steps[written].args and self.producer_writes_codes(written, name):
+            if direct and self.producer_writes_codes(written, name):
                 written_by_producer[written] = (codec, encoded)
             else:
                 encode_ws = _workspace(buffers, codec.workspace(buffer.shape, "encode"), f"{tensor}.encode", buffer.layer)
@@ -371,10 +371,10 @@ class _Builder:
     def producer_writes_codes(self, index, name):
         """Whether forward step `index`, which produces the HalfStash `name` as its first top,
         hand the codec each slice of it as it becomes final (Layer.emits_top_slices), so that
-        no encode step reads the tensor again."""
+        no encode step reads the tensor again. Not a micro-batch's step: it writes some rows."""
         step = self.steps[index]
         tops = step.args.get("y") or []
-        return (step.kind == "forward" and step.layer.emits_top_slices()
+        return (step.kind == "forward" and "samples" not in step.args and step.layer.emits_top_slices()
                 and bool(tops) and tops[0] == name)
 
     # ---- streaming ----------------------------------------------------------------------

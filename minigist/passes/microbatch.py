@@ -41,6 +41,14 @@ from .recompute import Replay
 _BATCH_ROLES = ("x", "y", "gy", "gx")
 
 
+def check_samples(samples, batch):
+    """A one-line MinigistError unless a micro-batch of `samples` divides `batch` and is smaller."""
+    if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 < samples < batch \
+            or batch % samples:
+        raise MinigistError(f"--microbatch: a micro-batch of {samples!r} samples must divide the batch "
+                            f"of {batch} and be smaller")
+
+
 def apply_microbatch(program, through, samples, clones):
     """The program with the front through blob `through` run `samples` samples at a time (see
     the module docstring); `program` itself is left unchanged. A one-line MinigistError
@@ -52,7 +60,7 @@ class _Builder:
     def __init__(self, program, through, samples, clones):
         self.program = program
         self.graph = graph = program.graph
-        self.clones = clones
+        self.clones = {layer.name: layer for layer in clones.layers}
         self.samples = samples
         blob = graph.blobs.get(through)
         if blob is None:
@@ -75,11 +83,8 @@ class _Builder:
         self.buffers = {name: replace(b) for name, b in program.buffers.items() if name not in internal}
 
     def check(self, through):
-        graph, samples, n = self.graph, self.samples, self.batch
-        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 < samples < n \
-                or n % samples:
-            raise MinigistError(f"--microbatch: a micro-batch of {samples!r} samples must divide the batch "
-                                f"of {n} and be smaller")
+        graph, samples = self.graph, self.samples
+        check_samples(samples, self.batch)
         for i in self.front:
             node = graph.nodes[i]
             layer = node.layer
@@ -107,14 +112,12 @@ class _Builder:
     # ---- buffers ------------------------------------------------------------------------
     def local(self, name, tag):
         """The buffer of micro-batch `tag` standing for front tensor `name`: a blob, a saved
-        tensor or a gradient of `samples` rows (the clones' shapes)."""
+        tensor or a gradient of `samples` rows."""
         if name is None or not (name in self.internal or (name == self.through and tag[0] == "r")):
             return name
         local = f"{name}#{tag}"
         if local not in self.buffers:
-            original = self.program.buffers.get(name)
-            if original is None:        # a gradient the whole-batch program did not need
-                raise MinigistError(f"--microbatch: no buffer {name} to micro-batch")
+            original = self.program.buffers[name]
             shape = (self.samples,) + tuple(original.shape[1:])
             category = GRADIENT if original.category == GRADIENT else FEATURE
             self.buffers[local] = Buffer(local, shape, original.dtype, category, original.layer,
@@ -150,7 +153,7 @@ class _Builder:
 
     # ---- steps --------------------------------------------------------------------------
     def clone(self, layer):
-        return self.clones.node_of(layer.name).layer
+        return self.clones[layer.name]
 
     def forward(self, step, k, replay):
         """The forward step (replay: a recompute step in the backward pass) of micro-batch k."""
@@ -194,17 +197,18 @@ class _Builder:
         for index, step in zip(self.front, forward_steps):
             if step.kind != "forward" or step.layer is not graph.nodes[index].layer:
                 raise MinigistError("--microbatch: the program's forward steps are not the graph's")
-        for layer_name in self.names:
-            layer = self.clone(graph.node_of(layer_name).layer)
-            full = graph.node_of(layer_name).layer
-            for attribute in ("chunk_bytes", "gw_block_bytes", "transposed_backward"):
-                if hasattr(full, attribute):
-                    setattr(layer, attribute, getattr(full, attribute))
+        for index in self.front:
+            full = graph.nodes[index].layer
+            layer = self.clone(full)
+            if hasattr(full, "chunk_bytes"):     # as set_chunks left the whole batch's (on a GPU, larger)
+                layer.chunk_bytes = full.chunk_bytes
             if layer.type == "Convolution":
+                # the whole batch's choices, which may depend on its size
+                layer.transposed_backward = full.transposed_backward
                 layer.batch_chunk = full.conv_engine().chunk()
                 layer.accumulating = True
         count = self.batch // self.samples
-        first_backward = next((i for i, s in enumerate(steps) if s.kind not in ("forward",)), len(steps))
+        first_backward = next((i for i, s in enumerate(steps) if s.kind != "forward"), len(steps))
         touches = [i for i in range(first_backward, len(steps))
                    if (steps[i].layer is not None and steps[i].layer.name in self.names and steps[i].kind == "backward")
                    or (steps[i].kind in ("zero", "accumulate") and any(n in self.internal for n in steps[i].buffer_names()))]
@@ -223,11 +227,9 @@ class _Builder:
                     result.extend(self.backward(s, k) for s in front_backward)
                 continue
             result.append(step)
-        for name, buffer in self.buffers.items():
-            if buffer.category == STASH and not any(name in set(s.buffer_names()) for s in result
-                                                    if s.kind != "forward"):
-                buffer.category = FEATURE   # `through`, read by no backward step outside the front
+        through = self.buffers[self.through]
+        if through.category == STASH and not any(self.through in s.buffer_names() for s in result if s.kind != "forward"):
+            through.category = FEATURE      # read by no backward step outside the front
         out = Program(graph, self.buffers, result, program.outputs, program.loss_weights)
         out.encodings = dict(program.encodings)
-        out.microbatch = (self.through, self.samples)
         return out
