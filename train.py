@@ -127,10 +127,12 @@ def bucket_size(text):
 
 
 def microbatch_spec(text):
-    """BLOB:SAMPLES -> (blob, samples)."""
+    """BLOB:SAMPLES -> (blob, samples); "auto" as it is."""
+    if text == "auto":
+        return text
     blob, _, samples = text.rpartition(":")
     if not blob or not samples.isdigit() or int(samples) < 1:
-        raise argparse.ArgumentTypeError(f"expected BLOB:SAMPLES such as pool2:4, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected BLOB:SAMPLES such as pool2:4, or auto, got {text!r}")
     return blob, int(samples)
 
 
@@ -241,12 +243,14 @@ def make_parser():
                             "share memory; the default), blocked (fused, and a fully connected layer's "
                             "weight gradient above 16 MiB made and applied a block of rows at a time) or separate (after the whole backward pass, "
                             "as Caffe does; every gradient is live at once). Same weights bit for bit")
-    group.add_argument("--microbatch", type=microbatch_spec, metavar="BLOB:SAMPLES",
+    group.add_argument("--microbatch", type=microbatch_spec, metavar="BLOB:SAMPLES|auto",
                        help="run the front of the net, from its input through top BLOB, SAMPLES samples at a "
                             "time: forward, and again in the backward pass before its backward, so none of its "
                             "feature maps, stashes or gradients is ever whole. Same weights bit for bit; the "
                             "front's forward runs twice. Convolutions (im2col), ReLU, pooling and LRN only; "
-                            "SAMPLES divides the batch and is a whole number of each convolution's batch chunks")
+                            "SAMPLES divides the batch and is a whole number of each convolution's batch chunks. "
+                            "auto (with --optimize): the optimizer chooses the front too, among the whole one and "
+                            "one through each pooling layer at its smallest micro-batch")
     group.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                        help="fail before training if it needs more memory than SIZE (e.g. 2GiB, 512MB)")
     group.add_argument("--optimize", action="store_true",

@@ -330,7 +330,8 @@ def check_meta(meta, check_config=None):
 
 def check_optimized_plan(entry):
     """Raise ValueError unless `entry` is the choices of an optimized plan as a training run
-    records them (OptimizedPlan.to_json's overrides, recompute, recompute_shared, chunk_bytes)."""
+    records them (OptimizedPlan.to_json's overrides, recompute, recompute_shared, chunk_bytes,
+    and its micro-batched front, where it has the key)."""
     check_fields(entry, {"overrides": "dict", "recompute": "list", "recompute_shared": "list",
                          "chunk_bytes": "count?"}, "the optimized plan")
     names = list(entry["overrides"].items()) + [(t, "") for t in entry["recompute"] + entry["recompute_shared"]]
@@ -338,6 +339,10 @@ def check_optimized_plan(entry):
         raise ValueError("the optimized plan names a tensor or an encoding that is not a string")
     if not set(entry["recompute_shared"]) <= set(entry["recompute"]):
         raise ValueError("the optimized plan shares a recomputed copy of a tensor it does not recompute")
+    front = entry.get("microbatch")
+    if front is not None and not (isinstance(front, list) and len(front) == 2 and isinstance(front[0], str)
+                                  and type(front[1]) is int and front[1] > 0):
+        raise ValueError(f"the optimized plan's 'microbatch' is {front!r}, not [BLOB, SAMPLES]")
 
 
 def checkpoint_iteration(folder):

@@ -58,6 +58,7 @@ from .memory import align
 from .memory.report import footprint_report, live_by_step
 from .passes import gist as gist_pass
 from .passes.gist import dpr_applies
+from .passes.microbatch import front_candidates
 from .pipeline import Options, compile
 from .program import INPUT, STASH
 
@@ -139,7 +140,8 @@ class RecordedPlan(Settings):
         super().__init__(options.replace(gist="lossless", overrides=record["overrides"],
                                          recompute=tuple(record["recompute"]),
                                          recompute_shared=tuple(record["recompute_shared"]),
-                                         chunk_bytes=record["chunk_bytes"]))
+                                         chunk_bytes=record["chunk_bytes"],
+                                         microbatch=tuple(record.get("microbatch") or ())))
         self.record = dict(record)
         self.decisions = list(record.get("decisions", []))
 
@@ -282,6 +284,15 @@ def lossy_overrides(graph, program, lossless, dpr):
     return overrides
 
 
+class NothingFits(MinigistError):
+    """No plan fits the budget. `least`: the smallest footprint found, or where the search was
+    not needed to tell, the bound (Optimizer.floor) that no plan reaches below."""
+
+    def __init__(self, message, least):
+        super().__init__(message)
+        self.least = least
+
+
 class Optimizer:
     """The model of one net under fixed settings (`options`: batch, engine, update, densities,
     chunks; its gist, overrides and recompute are ignored), for one cost model. `lossy`: DPR
@@ -314,7 +325,7 @@ class Optimizer:
         # what plans are compared with: every stash kept in fp32, at the layers' own chunks
         self.reference = reference
         self.baseline_footprint = reference.baseline_footprint if reference else self._needed(self.base)
-        self.baseline_seconds = reference.base_seconds if reference else self.base_seconds
+        self.baseline_seconds = reference.baseline_seconds if reference else self.base_seconds
         if reference is None and options.microbatch:
             # compared with `none` as it is, its front not micro-batched
             whole = compile(model, self.options.replace(gist="none", microbatch=()))
@@ -946,9 +957,9 @@ class Optimizer:
         if budget < floor:      # proven at once, where the smallest plan's search takes minutes
             largest = sorted(((n, k) for k, n in parts.items() if n > 0), reverse=True)[:3]
             listed = ", ".join(f"{k} {n:,}" for n, k in largest)
-            raise MinigistError(f"--memory-budget: nothing fits {int(budget):,} bytes: no plan {self.mode_words()} "
-                                f"needs less than {floor:,} bytes (at {at}: {listed}; a bound: the smallest plan "
-                                f"may need more)")
+            raise NothingFits(f"--memory-budget: nothing fits {int(budget):,} bytes: no plan {self.mode_words()} "
+                              f"needs less than {floor:,} bytes (at {at}: {listed}; a bound: the smallest plan "
+                              f"may need more)", least=floor)
         chunked = self._chunked_optimizer()
         if chunked is None:
             return self._fit(budget)
@@ -1007,9 +1018,9 @@ class Optimizer:
         if smallest.footprint_bytes > budget >= bound:
             smallest = self._smallest_of_both()
         if smallest.footprint_bytes > budget:
-            raise MinigistError(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint the optimizer "
-                                f"found {self.mode_words()} is {smallest.footprint_bytes:,} bytes (none below "
-                                f"{max(bound, 0):,} in its model); {dominated_by(smallest)}")
+            raise NothingFits(f"--memory-budget: nothing fits {budget:,} bytes: the smallest footprint the optimizer "
+                              f"found {self.mode_words()} is {smallest.footprint_bytes:,} bytes (none below "
+                              f"{max(bound, 0):,} in its model); {dominated_by(smallest)}", least=smallest.footprint_bytes)
         plan = self._fit_rounds(budget)
         if plan is not None and plan.predicted_seconds <= smallest.predicted_seconds:
             return plan
@@ -1171,6 +1182,69 @@ class Optimizer:
 
 
 
+class FrontSearch:
+    """The optimizers of one net with its front whole and micro-batched through each of
+    passes/microbatch.front_candidates (train.py --microbatch auto): fit, smallest and within
+    ask each and take the best plan, so the front is chosen with the per-stash choices. Every
+    plan is compared with `none` with the front whole. `fronts`: the (blob, samples) tried
+    beside the whole front."""
+
+    def __init__(self, model, options, cost_model, lossy=False):
+        self.whole = Optimizer(model, options.replace(microbatch=()), cost_model, lossy=lossy)
+        self.fronts = front_candidates(self.whole.base.program)
+        self.optimizers = [self.whole] + [Optimizer(model, options.replace(microbatch=front), cost_model, lossy=lossy)
+                                          for front in self.fronts]
+        self.baseline_footprint = self.whole.baseline_footprint
+        self.baseline_seconds = self.whole.baseline_seconds
+
+    def floor(self):
+        """The lowest of the optimizers' bounds (Optimizer.floor)."""
+        return min((optimizer.floor() for optimizer in self.optimizers), key=lambda found: found[0])
+
+    def fit(self, budget):
+        """The plan of least predicted time that fits `budget` bytes over every front (the whole
+        front among equals); when none fits, the refusal of the front that came nearest (the
+        least of NothingFits.least), naming it."""
+        plans, refusals = [], []
+        for optimizer in self.optimizers:
+            try:
+                plans.append(optimizer.fit(budget))
+            except NothingFits as exc:
+                refusals.append((exc.least, len(refusals), exc, optimizer.options.microbatch))
+        if plans:
+            return min(plans, key=lambda plan: plan.predicted_seconds)
+        least, _, exc, front = min(refusals)
+        if not self.fronts:
+            raise exc
+        named = "the front whole" if not front else f"the front through {front[0]}, {front[1]} at a time"
+        raise NothingFits(f"{exc} ({named}, the nearest of the fronts tried: {self._tried()})", least)
+
+    def smallest(self):
+        return _smaller([optimizer.smallest() for optimizer in self.optimizers])
+
+    def within(self, overhead):
+        return _smaller([optimizer.within(overhead) for optimizer in self.optimizers])
+
+    def describe(self):
+        """The fronts tried, in words."""
+        if not self.fronts:
+            return "--microbatch auto: no front of this net may run a micro-batch at a time; the front is whole"
+        return f"--microbatch auto: fronts tried: {self._tried()}"
+
+    def _tried(self):
+        return ", ".join(["whole"] + [f"{blob}:{samples}" for blob, samples in self.fronts])
+
+
+def optimizer_for(model, options, cost_model, lossy=False, microbatch=None):
+    """An Optimizer, or with microbatch "auto" a FrontSearch; any other `microbatch` is the
+    front to plan with (BLOB, SAMPLES), None or () for `options`' own."""
+    if microbatch == "auto":
+        return FrontSearch(model, options, cost_model, lossy=lossy)
+    if microbatch:
+        options = options.replace(microbatch=tuple(microbatch))
+    return Optimizer(model, options, cost_model, lossy=lossy)
+
+
 def _smaller(plans):
     """The plan of the smallest footprint among `plans` (the least predicted time among equals);
     None where every one is None."""
@@ -1188,13 +1262,14 @@ def dominated_by(plan):
 
 
 def optimize(model, budget=None, batch_size=None, input_size=None, gist="lossless", dpr="fp16", densities=None,
-             update="fused", conv="im2col", cost_model=None, options=None, max_overhead=None):
+             update="fused", conv="im2col", cost_model=None, options=None, max_overhead=None, microbatch=None):
     """The plan that fits `budget` bytes at the least predicted step time (None: the smallest
     plan; `max_overhead`: the smallest plan whose predicted overhead is at most that fraction).
     `gist`: "lossless" (no precision lost) or "all" (DPR in `dpr` allowed). `options`, when
     given, carries the settings instead of the keywords. `cost_model`: a costmodel model (None:
     the FLOP model at the reference rates, costmodel.reference_model). Net(model, plan=...)
-    trains with it."""
+    trains with it. `microbatch`: (BLOB, SAMPLES), the front run a micro-batch at a time
+    (train.py --microbatch), or "auto": the optimizer chooses it too (FrontSearch)."""
     from .costmodel import reference_model
     budget = budget_bytes(budget)
     if gist not in ("lossless", "all"):
@@ -1202,7 +1277,8 @@ def optimize(model, budget=None, batch_size=None, input_size=None, gist="lossles
     if options is None:
         options = Options(batch_size=batch_size, input_size=input_size, dpr=dpr, densities=densities,
                           update=update, conv=conv)
-    optimizer = Optimizer(model, options, cost_model or reference_model(), lossy=gist == "all")
+    optimizer = optimizer_for(model, options, cost_model or reference_model(), lossy=gist == "all",
+                              microbatch=microbatch)
     if max_overhead is not None:
         plan = optimizer.within(max_overhead)
         if plan is None:

@@ -11,7 +11,8 @@ import math
 
 from .costmodel import MeasuredModel, flop_model, profile_programs, reference_model
 from .errors import MinigistError
-from .optimize import KEEP, SMALL_CHUNK_BYTES, Optimizer, RecordedPlan, Settings, dominated_by, lossy_overrides
+from .optimize import (KEEP, SMALL_CHUNK_BYTES, FrontSearch, RecordedPlan, Settings, dominated_by,
+                       lossy_overrides, optimizer_for)
 from .pipeline import plan_report
 from .program import STASH
 
@@ -40,6 +41,12 @@ def check_args(args):
                                     f"{what}; give --memory-budget for a plan's (--plot draws the frontier)")
 
 
+def auto_front(args):
+    """"auto" where --microbatch auto lets the optimizer choose the front, else None (the
+    options carry a named one)."""
+    return "auto" if getattr(args, "microbatch", None) == "auto" else None
+
+
 def _mib(nbytes):
     return f"{nbytes / 2**20:,.1f} MiB"
 
@@ -54,7 +61,8 @@ def plan_lines(plan):
              f"unoptimized plan's {plan.baseline_seconds:.4g} s ({100 * plan.predicted_overhead:+.1f}%)"]
     microbatch = getattr(plan.options, "microbatch", ())
     if microbatch:
-        lines.append(f"front: the input through {microbatch[0]} runs {microbatch[1]} samples at a time (--microbatch), "
+        unit = "samples" if microbatch[1] > 1 else "sample"
+        lines.append(f"front: the input through {microbatch[0]} runs {microbatch[1]} {unit} at a time (--microbatch), "
                      f"its forward again in the backward pass (in the predicted time)")
     lines.append("decisions:")
     rows = [("tensor", "layer", "choice", "bytes saved", "time added")]
@@ -149,7 +157,9 @@ def plan_only(path, options, args, out=print):
     for the frontier)."""
     from .memory.report import format_report, write_json
     cost = flop_model() if args.measure_rates else reference_model()
-    optimizer = Optimizer(path, options, cost, lossy=args.gist == "all")
+    optimizer = optimizer_for(path, options, cost, lossy=args.gist == "all", microbatch=auto_front(args))
+    if isinstance(optimizer, FrontSearch):
+        out(optimizer.describe())
     if args.memory_budget is None:
         out("searching the smallest plan first (the last row; minutes on the ImageNet networks) ...")
         for line in FRONTIER_HEADER:
@@ -236,7 +246,10 @@ def fit_training_net(net, batch, args, out=print):
     if net.comm is not None:
         raise MinigistError("--optimize plans one process's program, not a rank's share of a data-parallel batch")
     cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out)
-    optimizer = Optimizer(net.model, net.options.replace(budget=None), cost, lossy=args.gist == "all")
+    optimizer = optimizer_for(net.model, net.options.replace(budget=None), cost, lossy=args.gist == "all",
+                              microbatch=auto_front(args))
+    if isinstance(optimizer, FrontSearch):
+        out(optimizer.describe())
     plan = optimizer.fit(args.memory_budget)
     net.apply_plan(plan)
     net.optimized = plan

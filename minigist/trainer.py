@@ -464,7 +464,14 @@ def compile_options(path, args, alloc=None, gist=None):
         alloc=alloc or args.alloc, gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update,
         densities=getattr(args, "ssdc_density", None), add_loss=args.add_loss, ranks=getattr(args, "ranks", None) or 1,
         shard=getattr(args, "shard", "none"), bucket_bytes=getattr(args, "bucket_size", DEFAULT_BUCKET_BYTES),
-        microbatch=getattr(args, "microbatch", None) or ()))
+        microbatch=named_front(args)))
+
+
+def named_front(args):
+    """--microbatch as the pipeline takes it: (BLOB, SAMPLES), or () for none and for auto
+    (the optimizer then chooses the front, optimize.FrontSearch)."""
+    front = getattr(args, "microbatch", None)
+    return () if front in (None, "auto") else front
 
 
 def plan_for(path, args, alloc=None, gist=None):
@@ -601,6 +608,9 @@ class Trainer:
         if args.optimize or args.measure_rates:
             from .optimize_cli import check_args
             check_args(args)
+        elif args.microbatch == "auto":
+            raise MinigistError("--microbatch auto: the optimizer chooses the front; give --optimize, or name one "
+                                "as BLOB:SAMPLES")
         if args.summary or args.plan_only:
             if "data" in self.given:    # read by no step, but a path that names nothing is a mistake
                 datasets.check_spec(args.data)
@@ -763,7 +773,7 @@ class Trainer:
                   seed=args.seed, solver=solver, alloc=args.alloc, threads=args.threads,
                   input_channels=args.input_channels,
                   memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
-                  comm=self.comm, shard=args.shard, bucket_bytes=args.bucket_size, microbatch=args.microbatch or (),
+                  comm=self.comm, shard=args.shard, bucket_bytes=args.bucket_size, microbatch=named_front(args),
                   initializers=not args.ignore_initializers, **gist_kwargs(args))
         if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
             raise MinigistError(f"--memory-budget: the weights and optimizer state alone need {net.persistent_bytes:,} "

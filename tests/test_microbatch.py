@@ -1,13 +1,16 @@
 """The micro-batched front (passes/microbatch.py): the layers from the net's input through one
 blob run a few samples at a time, forward and again in the backward pass, bit for bit."""
+import json
 import os
 
 import numpy as np
 import pytest
 
 import minigist
+from minigist.checkpoint import check_optimized_plan
 from minigist.errors import MinigistError
-from minigist.optimize import Optimizer, Settings
+from minigist.optimize import FrontSearch, NothingFits, Optimizer, RecordedPlan, Settings
+from minigist.passes.microbatch import front_candidates
 from minigist.pipeline import Options, compile
 from test_gist import batches, model
 
@@ -130,8 +133,9 @@ def test_the_optimizer_plans_behind_a_micro_batched_front_against_the_whole_none
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--microbatch", "pool2"], "argument --microbatch: expected BLOB:SAMPLES such as pool2:4, got 'pool2'"),
+    (["--microbatch", "pool2"], "argument --microbatch: expected BLOB:SAMPLES such as pool2:4, or auto, got 'pool2'"),
     (["--microbatch", "pool2:4"], "--microbatch: 'conv1_1' runs on the onednn engine"),
+    (["--microbatch", "auto"], "--microbatch auto: the optimizer chooses the front; give --optimize"),
 ])
 def test_the_command_line_refuses_a_bad_microbatch_in_one_line(flags, message):
     import subprocess
@@ -144,3 +148,130 @@ def test_the_command_line_refuses_a_bad_microbatch_in_one_line(flags, message):
                            "--plan-only"] + flags, capture_output=True, text=True, cwd=root)
     assert done.returncode == 2
     assert message in done.stderr and len(done.stderr.strip().splitlines()) <= 2, done.stderr
+
+
+def test_auto_tries_each_pooling_front_at_its_smallest_micro_batch():
+    assert front_candidates(compile(VGG, BASE.replace(gist="none")).program) == [("pool1", 1), ("pool2", 1),
+                                                                                  ("pool3", 1)]
+    # at the layers' own chunks conv1_1's chunk is the whole batch: no front may be micro-batched,
+    # and the search is the plain optimizer's, its refusal too
+    assert front_candidates(compile(VGG, BASE.replace(gist="none", chunk_bytes=None)).program) == []
+    search = FrontSearch(VGG, BASE.replace(chunk_bytes=None), minigist.costmodel.reference_model())
+    assert search.describe() == ("--microbatch auto: no front of this net may run a micro-batch at a time; "
+                                 "the front is whole")
+    with pytest.raises(NothingFits) as refusal:
+        search.fit(10_000_000)
+    assert "fronts tried" not in str(refusal.value) and refusal.value.least == search.floor()[0]
+
+
+def test_auto_chooses_the_front_a_budget_needs_and_the_plan_trains_bit_identically():
+    search = FrontSearch(VGG, BASE, minigist.costmodel.reference_model())
+    assert search.describe() == "--microbatch auto: fronts tried: whole, pool1:1, pool2:1, pool3:1"
+    assert search.baseline_footprint == 24669952
+    # room to spare: the whole front, at the least predicted time
+    assert search.fit(30_000_000).options.microbatch == ()
+    # below what the whole front reaches (18,476,800 B), the front that fits at the least time
+    for budget, front, footprint in ((18_400_000, ("pool1", 1), 18280192), (18_000_000, ("pool2", 1), 17657600)):
+        plan = search.fit(budget)
+        assert (plan.options.microbatch, plan.footprint_bytes) == (front, footprint)
+        assert plan.footprint_bytes == compile(VGG, plan.options).plan.footprint_bytes
+    with pytest.raises(NothingFits, match=r"the nearest of the fronts tried: whole, pool1:1, pool2:1, pool3:1\)$"):
+        search.fit(17_000_000)
+    # lossless: the chosen front and decisions train as --gist none does, bit for bit
+    data = batches(2, batch_size=8)
+    reference, expected = train(BASE, data)
+    net = minigist.Net(VGG, seed=1, plan=plan, solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+    net.calibrate(data[:2])
+    assert [net.train_step(*batch) for batch in data] == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+    assert net.report()["footprint_with_evaluation_bytes"] == 17657600
+
+
+def test_a_plan_with_a_front_is_applied_and_read_back_from_its_record():
+    plan = FrontSearch(VGG, BASE, minigist.costmodel.reference_model()).fit(18_000_000)
+    net = minigist.Net(VGG, seed=1, plan=Settings(BASE))
+    net.apply_plan(plan)        # what a training run's --optimize does after calibration
+    assert net.options.microbatch == ("pool2", 1)
+    assert net.report()["footprint_with_evaluation_bytes"] == plan.footprint_bytes
+    record = json.loads(json.dumps(plan.to_json()))      # as a checkpoint holds it
+    check_optimized_plan(record)
+    assert RecordedPlan(BASE, record).options.microbatch == ("pool2", 1)
+    with pytest.raises(ValueError, match=r"'microbatch' is \['pool2', 0\], not \[BLOB, SAMPLES\]"):
+        check_optimized_plan(dict(record, microbatch=["pool2", 0]))
+
+
+def test_the_command_line_lets_the_optimizer_choose_the_front(tmp_path, capsys):
+    import train as cli
+    report_path = tmp_path / "r.json"
+    # VGG-16 at batch 8: its smallest plan with the front whole needs 1,571,050,240 B
+    assert cli.main(["--model", "vgg16", "--batch-size", "8", "--conv", "im2col", "--plan-only", "--optimize",
+                     "--memory-budget", "1545000000", "--microbatch", "auto", "--report-json", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    assert "--microbatch auto: fronts tried: whole, pool1:1, pool2:1, pool3:1, pool4:1, pool5:2" in out
+    optimizer = json.loads(report_path.read_text())["optimizer"]
+    assert optimizer["microbatch"] and optimizer["microbatch"][0] in ("pool2", "pool3", "pool4", "pool5")
+    assert optimizer["footprint_bytes"] <= 1545000000
+    assert f"front: the input through {optimizer['microbatch'][0]} runs" in out
+
+
+POINTWISE = """
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 8 dim: 3 dim: 8 dim: 8 } shape { dim: 8 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "cccp1" type: "Convolution" bottom: "conv1" top: "cccp1" convolution_param { num_output: 16 kernel_size: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu2" type: "ReLU" bottom: "cccp1" top: "cccp1" }
+layer { name: "pool1" type: "Pooling" bottom: "cccp1" top: "pool1" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool1" top: "fc" inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+"""
+# cccp1 keeps a sample's input (16 x 8 x 8 floats, 4,096 B): chunks of 3 samples in 12,288 B;
+# conv1's columns of one sample take more than half that, so its chunks are single samples
+THREE = 12288
+
+
+def train_pointwise(path, options, steps=2):
+    rng = np.random.default_rng(3)
+    data = [(rng.standard_normal((8, 3, 8, 8)).astype(np.float32), rng.integers(0, 3, 8)) for _ in range(steps)]
+    net = minigist.Net(str(path), seed=1, plan=Settings(options),
+                       solver=minigist.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4))
+    return net, [net.train_step(*batch) for batch in data]
+
+
+def test_a_1x1_convolutions_weight_gradient_does_not_depend_on_its_chunks(tmp_path):
+    path = tmp_path / "pointwise.prototxt"
+    path.write_text(POINTWISE)
+    options = Options(batch_size=8, update="fused", chunk_bytes=THREE)
+    chunks = {n.layer.name: n.layer.conv_engine().chunk() for n in compile(str(path), options).graph.nodes
+              if n.layer.type == "Convolution"}
+    assert chunks == {"conv1": 1, "cccp1": 3}
+    reference, expected = train_pointwise(path, options.replace(chunk_bytes=1))    # every chunk one sample
+    net, losses = train_pointwise(path, options)
+    assert losses == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize("samples", [1, 2, 4])
+def test_a_front_through_a_1x1_convolution_takes_any_micro_batch_bit_for_bit(tmp_path, samples):
+    path = tmp_path / "pointwise.prototxt"
+    path.write_text(POINTWISE)
+    options = Options(batch_size=8, update="fused", chunk_bytes=THREE)
+    assert front_candidates(compile(str(path), options).program) == [("pool1", 1)]
+    reference, expected = train_pointwise(path, options)
+    net, losses = train_pointwise(path, options.replace(microbatch=("pool1", samples)))
+    assert losses == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+
+
+def test_the_smaller_chunks_of_a_micro_batched_front_are_compared_with_the_whole_none():
+    """Under lossy modes the optimizer also plans at smaller batch chunks: those plans too are
+    compared with `none` with the front whole, in bytes and in time (not with the front's own
+    re-run, which would hide it)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "models", "vgg16.prototxt")
+    options = Options(batch_size=8, update="fused", conv="im2col")
+    front = Optimizer(path, options.replace(microbatch=("pool2", 1)), minigist.costmodel.reference_model(), lossy=True)
+    chunked = front._chunked_optimizer()
+    assert chunked.baseline_seconds == front.baseline_seconds < front.base_seconds
+    assert chunked.baseline_footprint == front.baseline_footprint

@@ -17,7 +17,8 @@ The cost model is FLOPs and bytes at the reference rates (costmodel.reference_mo
 measured on this machine (one BLAS thread, as train.py's im2col default) with --measure.
 Seconds per network on stderr. `--microbatch vgg16=pool2:4` plans VGG-16 with its front, the
 input through pool2, run 4 samples at a time (train.py --microbatch), still against `none` with
-the front whole.
+the front whole; `--microbatch auto` (every network) or `vgg16=auto` lets the optimizer choose
+the front with each plan (train.py --microbatch auto), and a cell names the front its plan runs.
 """
 import argparse
 import os
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gist_table import EXTRA, PAPER, densities  # noqa: E402
 from minigist import blas  # noqa: E402
 from minigist.costmodel import FlopModel, measure_rates, reference_model  # noqa: E402
-from minigist.optimize import Optimizer  # noqa: E402
+from minigist.optimize import optimizer_for  # noqa: E402
 from minigist.pipeline import Options  # noqa: E402
 
 COLUMNS = ["lossless bound", "lossless min", "lossless 10%", "lossless 15%", "lossless 20%", "fp16 bound",
@@ -39,27 +40,28 @@ COLUMNS = ["lossless bound", "lossless min", "lossless 10%", "lossless 15%", "lo
 
 
 def cells(name, cost, columns, microbatch=()):
-    """{column: (ratio, overhead or None)} of one network (its front micro-batched where
-    `microbatch` is (blob, samples)), and its none footprint in bytes (the front whole)."""
+    """{column: (ratio, overhead or None, the plan's front)} of one network (its front
+    micro-batched where `microbatch` is (blob, samples), chosen per plan where it is "auto"),
+    and its none footprint in bytes (the front whole)."""
     path = os.path.join(ROOT, "models", name + ".prototxt")
-    options = Options(batch_size=64, update="fused", conv="im2col", densities=densities(name), microbatch=microbatch)
+    options = Options(batch_size=64, update="fused", conv="im2col", densities=densities(name))
     row, none = {}, None
     for label, dpr, lossy in (("lossless", "fp16", False), ("fp16", "fp16", True), ("fp8", "fp8-e4m3", True)):
         wanted = [c for c in columns if c.split()[0] == label]
         if not wanted:
             continue
-        optimizer = Optimizer(path, options.replace(dpr=dpr), cost, lossy=lossy)
+        optimizer = optimizer_for(path, options.replace(dpr=dpr), cost, lossy=lossy, microbatch=microbatch)
         none = optimizer.baseline_footprint
         best = None     # a plan within a smaller cap is within a larger one: the caps in order
         for column in sorted(wanted, key=_order):
             kind = column.split()[1]
             if kind == "bound":
-                row[column] = (none / optimizer.floor()[0], None)
+                row[column] = (none / optimizer.floor()[0], None, ())
                 continue
             plan = optimizer.smallest() if kind == "min" else optimizer.within(float(kind[:-1]) / 100)
             if plan is not None and (best is None or plan.footprint_bytes < best.footprint_bytes):
                 best = plan
-            row[column] = None if best is None else (best.ratio, best.predicted_overhead)
+            row[column] = None if best is None else (best.ratio, best.predicted_overhead, best.options.microbatch)
     return row, none
 
 
@@ -76,16 +78,23 @@ def main():
     parser.add_argument("--bandwidth", type=float, help="memory bandwidth, bytes/s")
     parser.add_argument("--models", nargs="*", default=PAPER + EXTRA)
     parser.add_argument("--columns", nargs="*", default=COLUMNS, help="a part of " + ", ".join(COLUMNS).replace("%", "%%"))
-    parser.add_argument("--microbatch", nargs="*", default=[], metavar="NETWORK=BLOB:SAMPLES",
-                        help="run that network's front through BLOB SAMPLES samples at a time (train.py --microbatch)")
+    parser.add_argument("--microbatch", nargs="*", default=[], metavar="NETWORK=BLOB:SAMPLES|NETWORK=auto|auto",
+                        help="run that network's front through BLOB SAMPLES samples at a time, or let the optimizer "
+                             "choose it (auto: for every network) (train.py --microbatch)")
     args = parser.parse_args()
     fronts = {}
     for item in args.microbatch:
+        if item == "auto":
+            fronts.update((name, "auto") for name in args.models)
+            continue
         network, _, front = item.partition("=")
         blob, _, samples = front.rpartition(":")
-        if not network or not blob or not samples.isdigit():
-            parser.error(f"--microbatch: expected NETWORK=BLOB:SAMPLES, got {item!r}")
-        fronts[network] = (blob, int(samples))
+        if front == "auto" and network:
+            fronts[network] = "auto"
+        elif not network or not blob or not samples.isdigit():
+            parser.error(f"--microbatch: expected NETWORK=BLOB:SAMPLES, NETWORK=auto or auto, got {item!r}")
+        else:
+            fronts[network] = (blob, int(samples))
     cost = reference_model()
     if args.measure:
         with blas.threads(1):
@@ -105,10 +114,15 @@ def main():
             if row.get(column) is None:
                 shown.append("-")
                 continue
-            ratio, overhead = row[column]
+            ratio, overhead, chosen = row[column]
             ratios.setdefault(column, {})[name] = ratio
-            shown.append(f"{ratio:.2f}x" + ("" if overhead is None else f" ({100 * overhead:.0f}%)"))
-        front = f" (front through {fronts[name][0]}, {fronts[name][1]} at a time)" if name in fronts else ""
+            notes = ([] if overhead is None else [f"{100 * overhead:.0f}%"])
+            if fronts.get(name) == "auto" and chosen:
+                notes.append(f"front {chosen[0]}:{chosen[1]}")
+            shown.append(f"{ratio:.2f}x" + (f" ({', '.join(notes)})" if notes else ""))
+        front = fronts.get(name)
+        front = ("" if front is None else " (front chosen: --microbatch auto)" if front == "auto"
+                 else f" (front through {front[0]}, {front[1]} at a time)")
         print(f"| {name}{front} | {none / 2**20:,.0f} | " + " | ".join(shown) + " |", flush=True)
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     print()

@@ -32,7 +32,8 @@ handed.
 
 A 1x1 convolution with stride 1 and no padding needs no im2col: x itself is the column
 matrix. It runs per-sample GEMMs (folding the batch cost two transposing copies, measured
-slower), sums the per-sample weight gradients of a chunk (`gwn`), and, when input and output
+slower), adds the per-sample weight gradients of a chunk (`gwn`) into dW one sample at a
+time, so that dW does not depend on the chunks, and, when input and output
 have one shape, works in place through `stage`: each chunk of x (gy) is copied there before
 the same chunk of y (gx) is written over it.
 """
@@ -191,8 +192,6 @@ class Im2colEngine:
                 ws["stage"] = TensorDecl((b * self._stage_elems(),))
             if weight_grad:
                 ws["gwn"] = TensorDecl((b, o * layer.cols))
-                if n > b or layer.accumulating:
-                    ws["gwsum"] = TensorDecl((o * layer.cols,))
             return ws
         if weight_grad and self._gw_transposed():
             ws["gwt"] = TensorDecl((g, layer.cols, o // g))
@@ -300,12 +299,14 @@ class Im2colEngine:
                 if gw is not None:
                     xc = x0[n0:n0 + b].reshape(b, g, c // g, pix)
                     matmul(xp, gyc, xc.transpose(0, 1, 3, 2), gwn[:b])
+                    # the samples' dW added in one at a time, in the batch's order, so that
+                    # the sums are the same whatever the chunks (a micro-batched front's too);
+                    # the first chunk in one call (NumPy adds along the outer axis in order)
                     if n0 == 0 and not accumulate:
                         xp.sum(gwn[:b], axis=0, out=gw3)
                     else:
-                        partial = gwsum.reshape(g, o // g, layer.cols)
-                        xp.sum(gwn[:b], axis=0, out=partial)
-                        xp.add(gw3, partial, out=gw3)
+                        for i in range(b):
+                            xp.add(gw3, gwn[i], out=gw3)
                 if gx0 is not None:
                     matmul(xp, weight.transpose(0, 2, 1), gyc, gx0[n0:n0 + b].reshape(b, g, c // g, pix))
             return

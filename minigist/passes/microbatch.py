@@ -20,10 +20,11 @@ Provides: a new program where
 Liveness is recomputed; the rest of the program is left as it is.
 
 Exactness: every layer of the front computes each sample alone, and its micro-batch is a whole
-number of its batch chunks (a convolution's weight gradient is added chunk by chunk, in the
-order of the whole batch), so the forward writes the same bits, the backward the same
-gradients. Costs: the front's forward runs twice, and the convolutions' bias gradients are
-summed a sample at a time.
+number of a convolution's batch chunks (its weight gradient is added chunk by chunk, in the
+order of the whole batch; a 1x1 convolution adds it a sample at a time, so any micro-batch
+will do there), so the forward writes the same bits, the backward the same gradients.
+Costs: the front's forward runs twice, and the convolutions' bias gradients are summed a
+sample at a time.
 
 Order: after recomputation, which may not touch the front (its tensors are rebuilt here), and
 before Gist, which then sees only `through` of the front, written by several steps, and
@@ -49,6 +50,75 @@ def check_samples(samples, batch):
                             f"of {batch} and be smaller")
 
 
+def check_front(program, through, samples):
+    """The graph indices of the front through blob `through` (every layer up to its producer
+    but the data layers) when `program` (before Gist) may run it `samples` samples at a time;
+    a one-line MinigistError naming --microbatch when it may not."""
+    graph = program.graph
+    blob = graph.blobs.get(through)
+    if blob is None:
+        raise MinigistError(f"--microbatch: '{through}' is no top of this net")
+    front = [i for i in range(blob.producer + 1) if not graph.nodes[i].layer.is_data]
+    if not front:
+        raise MinigistError(f"--microbatch: '{through}' is the net's input; the front must hold a layer")
+    check_samples(samples, graph.batch_size)
+    inside = set(front)
+    for i in front:
+        node = graph.nodes[i]
+        layer = node.layer
+        if layer.type == "Convolution" and layer.engine != "im2col":
+            raise MinigistError(f"--microbatch: '{layer.name}' runs on the {layer.engine} engine, which does not "
+                                f"add a weight gradient into one a chunk at a time; use --conv im2col")
+        if not layer.microbatchable:
+            raise MinigistError(f"--microbatch: '{layer.name}' ({layer.type}) cannot run a micro-batch at a "
+                                f"time; the front through '{through}' must hold only convolutions (im2col), "
+                                f"ReLU, pooling and LRN")
+        # a 1x1 convolution adds its samples' weight gradients one at a time: any micro-batch
+        chunk = layer.conv_engine().chunk() if layer.type == "Convolution" and not layer.pointwise else 1
+        if samples % chunk:
+            raise MinigistError(f"--microbatch: {samples} samples are no whole number of the batch chunks of "
+                                f"'{layer.name}' ({chunk} samples each)")
+        for top in node.tops:
+            outside = [graph.nodes[c].layer.name for c, _ in graph.blobs[top].consumers if c not in inside]
+            if top != through and outside:
+                raise MinigistError(f"--microbatch: '{top}' is read past the front through '{through}' "
+                                    f"(by '{outside[0]}')")
+    names = {graph.nodes[i].layer.name for i in front}
+    recomputed = [s.layer.name for s in program.steps if s.kind == "recompute" and s.layer.name in names]
+    if recomputed or f"blob:{through}" in program.encodings:
+        raise MinigistError(f"--microbatch: the front through '{through}' may not be recomputed "
+                            f"(its tensors are rebuilt a micro-batch at a time)")
+    return front
+
+
+def front_candidates(program):
+    """The fronts `--microbatch auto` lets the optimizer choose among, as (blob, samples): the
+    top of each pooling layer that check_front accepts, in the net's order, with the smallest
+    micro-batch it accepts there. Pooling tops: a pool shrinks its input, so the whole-batch
+    tensors a front leaves (its last top and that top's gradient) are smallest just past one.
+    The smallest micro-batch: a convolution's micro-batch is a whole number of its batch
+    chunks, so each runs the GEMMs of the whole batch's chunks either way, while the front's
+    buffers grow with the samples. The search stops at the first layer no front may hold."""
+    graph = program.graph
+    found = []
+    for node in graph.nodes:
+        layer = node.layer
+        if not layer.is_data and not layer.microbatchable:
+            break
+        if layer.type != "Pooling":
+            continue
+        for samples in range(1, graph.batch_size):
+            if graph.batch_size % samples:
+                continue
+            try:
+                check_front(program, node.tops[0], samples)
+            except MinigistError:
+                continue
+            found.append((node.tops[0], samples))
+            break
+    return found
+
+
 def apply_microbatch(program, through, samples, clones):
     """The program with the front through blob `through` run `samples` samples at a time (see
     the module docstring); `program` itself is left unchanged. A one-line MinigistError
@@ -62,16 +132,10 @@ class _Builder:
         self.graph = graph = program.graph
         self.clones = {layer.name: layer for layer in clones.layers}
         self.samples = samples
-        blob = graph.blobs.get(through)
-        if blob is None:
-            raise MinigistError(f"--microbatch: '{through}' is no top of this net")
         self.through = f"blob:{through}"
-        self.front = [i for i in range(blob.producer + 1) if not graph.nodes[i].layer.is_data]
-        if not self.front:
-            raise MinigistError(f"--microbatch: '{through}' is the net's input; the front must hold a layer")
+        self.front = check_front(program, through, samples)
         self.names = {graph.nodes[i].layer.name for i in self.front}
         self.batch = graph.batch_size
-        self.check(through)
         tops = {t for i in self.front for t in graph.nodes[i].tops} - {through}
         internal = {f"blob:{t}" for t in tops}
         internal.update(name for name, b in program.buffers.items()
@@ -81,33 +145,6 @@ class _Builder:
                         and step.kind in ("forward", "backward") for name in names_in(step.args.get("ws")))
         self.internal = internal
         self.buffers = {name: replace(b) for name, b in program.buffers.items() if name not in internal}
-
-    def check(self, through):
-        graph, samples = self.graph, self.samples
-        check_samples(samples, self.batch)
-        for i in self.front:
-            node = graph.nodes[i]
-            layer = node.layer
-            if layer.type == "Convolution" and layer.engine != "im2col":
-                raise MinigistError(f"--microbatch: '{layer.name}' runs on the {layer.engine} engine, which does not "
-                                    f"add a weight gradient into one a chunk at a time; use --conv im2col")
-            if not layer.microbatchable:
-                raise MinigistError(f"--microbatch: '{layer.name}' ({layer.type}) cannot run a micro-batch at a "
-                                    f"time; the front through '{through}' must hold only convolutions (im2col), "
-                                    f"ReLU, pooling and LRN")
-            chunk = layer.conv_engine().chunk() if layer.type == "Convolution" else 1
-            if samples % chunk:
-                raise MinigistError(f"--microbatch: {samples} samples are no whole number of the batch chunks of "
-                                    f"'{layer.name}' ({chunk} samples each)")
-            for top in node.tops:
-                outside = [graph.nodes[c].layer.name for c, _ in graph.blobs[top].consumers if c not in self.front]
-                if top != through and outside:
-                    raise MinigistError(f"--microbatch: '{top}' is read past the front through '{through}' "
-                                        f"(by '{outside[0]}')")
-        recomputed = [s.layer.name for s in self.program.steps if s.kind == "recompute" and s.layer.name in self.names]
-        if recomputed or self.through in self.program.encodings:
-            raise MinigistError(f"--microbatch: the front through '{through}' may not be recomputed "
-                                f"(its tensors are rebuilt a micro-batch at a time)")
 
     # ---- buffers ------------------------------------------------------------------------
     def local(self, name, tag):
