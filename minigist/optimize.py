@@ -141,7 +141,8 @@ class RecordedPlan(Settings):
                                          recompute=tuple(record["recompute"]),
                                          recompute_shared=tuple(record["recompute_shared"]),
                                          chunk_bytes=record["chunk_bytes"],
-                                         microbatch=tuple(record.get("microbatch") or ())))
+                                         microbatch=tuple(record["microbatch"] or ()) if "microbatch" in record
+                                         else options.microbatch))
         self.record = dict(record)
         self.decisions = list(record.get("decisions", []))
 
@@ -1186,14 +1187,19 @@ class FrontSearch:
     """The optimizers of one net with its front whole and micro-batched through each of
     passes/microbatch.front_candidates (train.py --microbatch auto): fit, smallest and within
     ask each and take the best plan, so the front is chosen with the per-stash choices. Every
-    plan is compared with `none` with the front whole. `fronts`: the (blob, samples) tried
-    beside the whole front."""
+    plan is compared with `none` with the front whole. `fronts`: the (blob, samples) planned
+    beside the whole front; `dropped`: {front: why} of those that could not be (an evaluation
+    program or smaller chunks the pass refuses): the search goes on without them."""
 
-    def __init__(self, model, options, cost_model, lossy=False):
+    def __init__(self, model, options, cost_model, lossy=False, fronts=None):
         self.whole = Optimizer(model, options.replace(microbatch=()), cost_model, lossy=lossy)
-        self.fronts = front_candidates(self.whole.base.program)
-        self.optimizers = [self.whole] + [Optimizer(model, options.replace(microbatch=front), cost_model, lossy=lossy)
-                                          for front in self.fronts]
+        self.optimizers, self.fronts, self.dropped = [self.whole], [], {}
+        for front in (front_candidates(self.whole.base.program) if fronts is None else fronts):
+            try:
+                self.optimizers.append(Optimizer(model, options.replace(microbatch=front), cost_model, lossy=lossy))
+                self.fronts.append(front)
+            except MinigistError as exc:
+                self.dropped[front] = str(exc)
         self.baseline_footprint = self.whole.baseline_footprint
         self.baseline_seconds = self.whole.baseline_seconds
 
@@ -1204,13 +1210,16 @@ class FrontSearch:
     def fit(self, budget):
         """The plan of least predicted time that fits `budget` bytes over every front (the whole
         front among equals); when none fits, the refusal of the front that came nearest (the
-        least of NothingFits.least), naming it."""
+        least of NothingFits.least: a footprint found, or a bound where no search was needed),
+        naming it. A front whose planning fails otherwise is left out."""
         plans, refusals = [], []
         for optimizer in self.optimizers:
             try:
                 plans.append(optimizer.fit(budget))
             except NothingFits as exc:
                 refusals.append((exc.least, len(refusals), exc, optimizer.options.microbatch))
+            except MinigistError as exc:
+                self._drop(optimizer, exc)
         if plans:
             return min(plans, key=lambda plan: plan.predicted_seconds)
         least, _, exc, front = min(refusals)
@@ -1220,16 +1229,35 @@ class FrontSearch:
         raise NothingFits(f"{exc} ({named}, the nearest of the fronts tried: {self._tried()})", least)
 
     def smallest(self):
-        return _smaller([optimizer.smallest() for optimizer in self.optimizers])
+        return _smaller([self._ask(optimizer, optimizer.smallest) for optimizer in list(self.optimizers)])
 
     def within(self, overhead):
-        return _smaller([optimizer.within(overhead) for optimizer in self.optimizers])
+        return _smaller([self._ask(optimizer, lambda o=optimizer: o.within(overhead))
+                         for optimizer in list(self.optimizers)])
+
+    def _ask(self, optimizer, query):
+        try:
+            return query()
+        except MinigistError as exc:
+            self._drop(optimizer, exc)
+            return None
+
+    def _drop(self, optimizer, exc):
+        """Leave a micro-batched front out of the search (the whole front's errors stand)."""
+        if optimizer is self.whole:
+            raise exc
+        front = optimizer.options.microbatch
+        self.optimizers.remove(optimizer)
+        self.fronts.remove(front)
+        self.dropped[front] = str(exc)
 
     def describe(self):
         """The fronts tried, in words."""
+        dropped = "".join(f"; {blob}:{samples} left out ({why})" for (blob, samples), why in self.dropped.items())
         if not self.fronts:
-            return "--microbatch auto: no front of this net may run a micro-batch at a time; the front is whole"
-        return f"--microbatch auto: fronts tried: {self._tried()}"
+            return ("--microbatch auto: no front of this net may run a micro-batch at a time (convolutions on "
+                    f"--conv im2col, ReLU, pooling and LRN up to a pool); the front is whole{dropped}")
+        return f"--microbatch auto: fronts tried: {self._tried()}{dropped}"
 
     def _tried(self):
         return ", ".join(["whole"] + [f"{blob}:{samples}" for blob, samples in self.fronts])

@@ -11,9 +11,10 @@ import math
 
 from .costmodel import MeasuredModel, flop_model, profile_programs, reference_model
 from .errors import MinigistError
-from .optimize import (KEEP, SMALL_CHUNK_BYTES, FrontSearch, RecordedPlan, Settings, dominated_by,
+from .optimize import (KEEP, SMALL_CHUNK_BYTES, FrontSearch, Optimizer, RecordedPlan, Settings, dominated_by,
                        lossy_overrides, optimizer_for)
-from .pipeline import plan_report
+from .passes.microbatch import front_candidates
+from .pipeline import compile, plan_report
 from .program import STASH
 
 FRONTIER_POINTS = 8
@@ -100,8 +101,9 @@ FRONTIER_HEADER = ["frontier (budget against predicted overhead, budgets from th
 
 def frontier_row(budget, plan):
     shown = "smallest" if budget is None else f"{budget:,}"
+    front = getattr(plan.options, "microbatch", ())
     return (f"  {shown:>16}  {plan.footprint_bytes:>16,}  {plan.ratio:6.2f}x  "
-            f"{100 * plan.predicted_overhead:+8.1f}%")
+            f"{100 * plan.predicted_overhead:+8.1f}%" + (f"  front {front[0]}:{front[1]}" if front else ""))
 
 
 def _tick_step(high, most=6):
@@ -185,12 +187,14 @@ def plan_only(path, options, args, out=print):
     return report
 
 
-def profiled_model(model, options, batch, lossy, threads=None, out=print):
+def profiled_model(model, options, batch, lossy, threads=None, out=print, fronts=()):
     """The measured cost model of a training run: throwaway nets under the programs the
     optimizer chooses from (every stash kept; the lossless rules; under lossy modes DPR
     everywhere it applies, and the three again at SMALL_CHUNK_BYTES) and one that recomputes
-    every stash (at both chunk sizes under lossy modes), each step timed on `batch`, and each
-    program's own time kept. Falls back to the FLOP model where those nets do not fit this machine."""
+    every stash (at both chunk sizes under lossy modes), and under each of `fronts` (--microbatch
+    auto: (blob, samples)) its `none` program, so that the fronts' steps are timed too, each
+    step timed on `batch`, and each program's own time kept. Falls back to the FLOP model where
+    those nets do not fit this machine."""
     from .net import Net
     fallback = flop_model(seconds=0.25)     # for steps not profiled, scaled to the profiled ones
     base = options.replace(overrides=(), recompute=(), recompute_shared=(), budget=None, chunk_bytes=None)
@@ -208,6 +212,7 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print):
         # the smaller chunks' replays too under lossy modes
         chunked = [base.replace(chunk_bytes=SMALL_CHUNK_BYTES)] if lossy else []
         nets += _replaying_nets(model, [base] + chunked, nets[0], threads)
+        nets += _front_nets(model, base, fronts, threads)
         seconds, own = profile_programs(nets, batch, repeats=PROFILE_REPEATS)
     except MinigistError as exc:
         out(f"cost model: FLOPs and bytes (the profiling run could not run here: {exc})")
@@ -237,6 +242,19 @@ def _replaying_nets(model, bases, plain, threads):
     return nets
 
 
+def _front_nets(model, base, fronts, threads):
+    """For each of `fronts`, a net of `base` under --gist none with that front micro-batched
+    (none where that program cannot be built here: the search leaves such a front out)."""
+    from .net import Net
+    nets = []
+    for front in fronts:
+        try:
+            nets.append(Net(model, threads=threads, plan=Settings(base.replace(gist="none", microbatch=front))))
+        except MinigistError:
+            pass
+    return nets
+
+
 def fit_training_net(net, batch, args, out=print):
     """--optimize in a training run: after calibration, the plan that fits --memory-budget with
     the measured cost model, applied to `net` (re-planned; weights kept). Returns the plan."""
@@ -245,11 +263,16 @@ def fit_training_net(net, batch, args, out=print):
                             "prints the frontier)")
     if net.comm is not None:
         raise MinigistError("--optimize plans one process's program, not a rank's share of a data-parallel batch")
-    cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out)
-    optimizer = optimizer_for(net.model, net.options.replace(budget=None), cost, lossy=args.gist == "all",
-                              microbatch=auto_front(args))
-    if isinstance(optimizer, FrontSearch):
+    options = net.options.replace(budget=None)
+    fronts = []
+    if auto_front(args):
+        fronts = front_candidates(compile(net.model, options.replace(gist="none", microbatch=())).program)
+    cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out, fronts=fronts)
+    if auto_front(args):
+        optimizer = FrontSearch(net.model, options, cost, lossy=args.gist == "all", fronts=fronts)
         out(optimizer.describe())
+    else:
+        optimizer = Optimizer(net.model, options, cost, lossy=args.gist == "all")
     plan = optimizer.fit(args.memory_budget)
     net.apply_plan(plan)
     net.optimized = plan

@@ -157,8 +157,9 @@ def test_auto_tries_each_pooling_front_at_its_smallest_micro_batch():
     # and the search is the plain optimizer's, its refusal too
     assert front_candidates(compile(VGG, BASE.replace(gist="none", chunk_bytes=None)).program) == []
     search = FrontSearch(VGG, BASE.replace(chunk_bytes=None), minigist.costmodel.reference_model())
-    assert search.describe() == ("--microbatch auto: no front of this net may run a micro-batch at a time; "
-                                 "the front is whole")
+    assert search.describe() == ("--microbatch auto: no front of this net may run a micro-batch at a time "
+                                 "(convolutions on --conv im2col, ReLU, pooling and LRN up to a pool); the front is "
+                                 "whole")
     with pytest.raises(NothingFits) as refusal:
         search.fit(10_000_000)
     assert "fronts tried" not in str(refusal.value) and refusal.value.least == search.floor()[0]
@@ -275,3 +276,53 @@ def test_the_smaller_chunks_of_a_micro_batched_front_are_compared_with_the_whole
     chunked = front._chunked_optimizer()
     assert chunked.baseline_seconds == front.baseline_seconds < front.base_seconds
     assert chunked.baseline_footprint == front.baseline_footprint
+
+
+def test_a_front_whose_planning_fails_is_left_out_of_the_search():
+    search = FrontSearch(VGG, BASE, minigist.costmodel.reference_model())
+    failing = search.optimizers[2]      # the front through pool2
+
+    def refuse(*args, **kwargs):
+        raise MinigistError("--microbatch: planned to fail")
+    failing.within = failing.fit = refuse
+    plan = search.within(0.5)
+    assert plan.options.microbatch != ("pool2", 1) and failing not in search.optimizers
+    assert search.describe().endswith("fronts tried: whole, pool1:1, pool3:1; pool2:1 left out "
+                                      "(--microbatch: planned to fail)")
+    search.whole.fit = refuse       # the whole front's own errors stand
+    with pytest.raises(MinigistError, match="planned to fail"):
+        search.fit(30_000_000)
+
+
+LARGE_INPUT = """
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 4 dim: 3 dim: 224 dim: 224 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 8 stride: 8 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool1" top: "fc" inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+"""
+
+
+def test_a_training_runs_cost_model_times_the_fronts_it_chooses_among(tmp_path, monkeypatch):
+    """--optimize --microbatch auto in a training run: the profiling run times each candidate
+    front's `none` program beside the whole front's, so that no front is priced from FLOPs
+    alone against measured times."""
+    from minigist import optimize_cli
+    path = tmp_path / "large.prototxt"
+    path.write_text(LARGE_INPUT)
+    options = Options(batch_size=4, update="fused", conv="im2col")
+    fronts = front_candidates(compile(str(path), options.replace(gist="none")).program)
+    assert fronts == [("pool1", 1)]     # conv1's columns of one 224x224 sample fill a chunk
+    profiled = []
+
+    def record(nets, batch, repeats):
+        profiled.extend(net.compiled["train"].program for net in nets)
+        return {}, {}
+    monkeypatch.setattr(optimize_cli, "profile_programs", record)
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((4, 3, 224, 224)).astype(np.float32), rng.integers(0, 3, 4))
+    optimize_cli.profiled_model(str(path), options, batch, lossy=False, threads=1, out=lambda line: None,
+                                fronts=fronts)
+    micro = [p for p in profiled if any("samples" in step.args for step in p.steps)]
+    assert len(micro) == 1 and any(step.kind == "recompute" for step in micro[0].steps)

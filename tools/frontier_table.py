@@ -84,8 +84,8 @@ def main():
     args = parser.parse_args()
     fronts = {}
     for item in args.microbatch:
-        if item == "auto":
-            fronts.update((name, "auto") for name in args.models)
+        if item == "auto":     # every network not named otherwise
+            fronts.update((name, "auto") for name in args.models if name not in fronts)
             continue
         network, _, front = item.partition("=")
         blob, _, samples = front.rpartition(":")

@@ -154,7 +154,8 @@ class Convolution(Layer):
     @property
     def microbatchable(self):
         """The im2col engine's weight gradient adds its batch chunks in order, and a micro-batch
-        of whole chunks adds the same ones; the bias gradient adds one sample at a time, numpy's
+        of whole chunks adds the same ones (a 1x1 convolution adds its samples one at a time,
+        whatever the chunks); the bias gradient adds one sample at a time, numpy's
         order for the whole batch except with one output channel (its sum runs over the batch
         and the pixels as one)."""
         return self.engine == "im2col" and self.num_output > 1

@@ -33,7 +33,7 @@ handed.
 A 1x1 convolution with stride 1 and no padding needs no im2col: x itself is the column
 matrix. It runs per-sample GEMMs (folding the batch cost two transposing copies, measured
 slower), adds the per-sample weight gradients of a chunk (`gwn`) into dW one sample at a
-time, so that dW does not depend on the chunks, and, when input and output
+time, so that dW does not depend on the chunks (on NumPy), and, when input and output
 have one shape, works in place through `stage`: each chunk of x (gy) is copied there before
 the same chunk of y (gx) is written over it.
 """
@@ -301,7 +301,8 @@ class Im2colEngine:
                     matmul(xp, gyc, xc.transpose(0, 1, 3, 2), gwn[:b])
                     # the samples' dW added in one at a time, in the batch's order, so that
                     # the sums are the same whatever the chunks (a micro-batched front's too);
-                    # the first chunk in one call (NumPy adds along the outer axis in order)
+                    # the first chunk in one call: NumPy adds along the outer axis in order
+                    # (CuPy's reduction does not, so on a GPU the sums depend on the chunks)
                     if n0 == 0 and not accumulate:
                         xp.sum(gwn[:b], axis=0, out=gw3)
                     else:
