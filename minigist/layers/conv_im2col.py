@@ -145,6 +145,12 @@ class Im2colEngine:
         per_sample = elems * np.dtype(layer.dtype).itemsize
         return chunk_samples(n, per_sample, layer.chunk_bytes, layer.batch_chunk)
 
+    def sum_grain(self):
+        """Samples whose weight gradients are summed together before they are added into dW:
+        a batch chunk, or one sample for a 1x1 convolution (backward adds its samples one at a
+        time). A micro-batch of whole grains adds the same sums as the whole batch."""
+        return 1 if self.layer.pointwise else self.chunk()
+
     def _gw_transposed(self):
         """Whether the weight gradient is computed transposed, dW^T = cols gy^T, into a
         (g, K, O/g) workspace and copied (added) into dW. With O/g the GEMM's short side and

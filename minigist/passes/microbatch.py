@@ -73,8 +73,7 @@ def check_front(program, through, samples):
             raise MinigistError(f"--microbatch: '{layer.name}' ({layer.type}) cannot run a micro-batch at a "
                                 f"time; the front through '{through}' must hold only convolutions (im2col), "
                                 f"ReLU, pooling and LRN")
-        # a 1x1 convolution adds its samples' weight gradients one at a time: any micro-batch
-        chunk = layer.conv_engine().chunk() if layer.type == "Convolution" and not layer.pointwise else 1
+        chunk = layer.conv_engine().sum_grain() if layer.type == "Convolution" else 1
         if samples % chunk:
             raise MinigistError(f"--microbatch: {samples} samples are no whole number of the batch chunks of "
                                 f"'{layer.name}' ({chunk} samples each)")
