@@ -1263,11 +1263,12 @@ class FrontSearch:
         return ", ".join(["whole"] + [f"{blob}:{samples}" for blob, samples in self.fronts])
 
 
-def optimizer_for(model, options, cost_model, lossy=False, microbatch=None):
-    """An Optimizer, or with microbatch "auto" a FrontSearch; any other `microbatch` is the
-    front to plan with (BLOB, SAMPLES), None or () for `options`' own."""
+def optimizer_for(model, options, cost_model, lossy=False, microbatch=None, fronts=None):
+    """An Optimizer, or with microbatch "auto" a FrontSearch (of `fronts`, None: the
+    candidates it finds); any other `microbatch` is the front to plan with (BLOB, SAMPLES),
+    None or () for `options`' own."""
     if microbatch == "auto":
-        return FrontSearch(model, options, cost_model, lossy=lossy)
+        return FrontSearch(model, options, cost_model, lossy=lossy, fronts=fronts)
     if microbatch:
         options = options.replace(microbatch=tuple(microbatch))
     return Optimizer(model, options, cost_model, lossy=lossy)

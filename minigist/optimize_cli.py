@@ -11,7 +11,7 @@ import math
 
 from .costmodel import MeasuredModel, flop_model, profile_programs, reference_model
 from .errors import MinigistError
-from .optimize import (KEEP, SMALL_CHUNK_BYTES, FrontSearch, Optimizer, RecordedPlan, Settings, dominated_by,
+from .optimize import (KEEP, SMALL_CHUNK_BYTES, FrontSearch, RecordedPlan, Settings, dominated_by,
                        lossy_overrides, optimizer_for)
 from .passes.microbatch import front_candidates
 from .pipeline import compile, plan_report
@@ -46,6 +46,16 @@ def auto_front(args):
     """"auto" where --microbatch auto lets the optimizer choose the front, else None (the
     options carry a named one)."""
     return "auto" if getattr(args, "microbatch", None) == "auto" else None
+
+
+def _optimizer(model, options, cost, args, out, fronts=None):
+    """The optimizer --optimize asks (optimize.optimizer_for), the fronts it tries said first
+    under --microbatch auto."""
+    optimizer = optimizer_for(model, options, cost, lossy=args.gist == "all", microbatch=auto_front(args),
+                              fronts=fronts)
+    if isinstance(optimizer, FrontSearch):
+        out(optimizer.describe())
+    return optimizer
 
 
 def _mib(nbytes):
@@ -159,9 +169,7 @@ def plan_only(path, options, args, out=print):
     for the frontier)."""
     from .memory.report import format_report, write_json
     cost = flop_model() if args.measure_rates else reference_model()
-    optimizer = optimizer_for(path, options, cost, lossy=args.gist == "all", microbatch=auto_front(args))
-    if isinstance(optimizer, FrontSearch):
-        out(optimizer.describe())
+    optimizer = _optimizer(path, options, cost, args, out)
     if args.memory_budget is None:
         out("searching the smallest plan first (the last row; minutes on the ImageNet networks) ...")
         for line in FRONTIER_HEADER:
@@ -268,11 +276,7 @@ def fit_training_net(net, batch, args, out=print):
     if auto_front(args):
         fronts = front_candidates(compile(net.model, options.replace(gist="none", microbatch=())).program)
     cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out, fronts=fronts)
-    if auto_front(args):
-        optimizer = FrontSearch(net.model, options, cost, lossy=args.gist == "all", fronts=fronts)
-        out(optimizer.describe())
-    else:
-        optimizer = Optimizer(net.model, options, cost, lossy=args.gist == "all")
+    optimizer = _optimizer(net.model, options, cost, args, out, fronts)
     plan = optimizer.fit(args.memory_budget)
     net.apply_plan(plan)
     net.optimized = plan
