@@ -29,10 +29,13 @@ ANCHORS, ANCHOR_GAP = 4, 3
 # the repair of a plan above the lower bound (plan()): placements at most, and buffers placed in
 # all (300 placements of an optimized ResNet-50 plan's 2,000 buffers, 181 of Inception-v3's
 # 3,300), and how many tries in a row may fail to lower one start's top before moving buffers
-# above holes instead, and how many of those before the next start. Enough to repair from every
-# start: which one repairs best is not the lowest greedy one (GoogLeNet's lossless plan within
-# 15%: 16.1 MB above its bound after 120 placements, 3.2 MB after 300, from the order that
-# placed it highest)
+# above holes instead, and how many of those before the next start (0: no moves above holes).
+# Enough to repair from every start: which one repairs best is not the lowest greedy one
+# (GoogLeNet's lossless plan within 15%, with top moves alone: 16.1 MB above its bound after 120
+# placements, 3.2 MB after 300, from the order that placed it highest). Five hole moves: on
+# eighteen optimized and Gist plans above their bounds, ten left 25.6 MB above them in all,
+# five 24.4 MB (the placements go to later starts instead). A plan of so many buffers that
+# REPAIR_WORK leaves it no more than REPAIR_STALL placements past its starts gets top moves only
 REPAIR_PLACEMENTS, REPAIR_WORK, REPAIR_STALL, REPAIR_HOLE_STALL = 300, 600_000, 10, 5
 # arenas whose every byte an int64 offset can name (the array placement's range)
 _INT64_SAFE = 1 << 62
@@ -203,7 +206,8 @@ class StaticPlanner:
         are raised to the lower of their neighbours, the bytes in between left unused. Placed
         greedily in this order, each buffer lands where the skyline put it. It packs some plans
         that every order above leaves far above the bound, at the bound (GoogLeNet's lossless plan
-        with 5-replay chains within 15%: 13.6 MB above after the repair, at the bound with it)."""
+        with 5-replay chains within 15%: 13.6 MB above after a repair of top moves alone, at the
+        bound with it)."""
         sizes = np.array(self.sizes, dtype=object if sum(self.sizes) >= _INT64_SAFE else np.int64)
         firsts, lasts = np.array(self.firsts), np.array(self.lasts)
         rank = np.empty(len(sizes), dtype=np.int64)
@@ -322,7 +326,8 @@ class StaticPlanner:
         """The buffers that rest on a hole (bytes free below them, above the buffers under
         them) at a step where some buffer reaches `top`, the largest hole first (the largest
         one under it at any such step; the first index among equals). Above the lower bound,
-        every such step has one."""
+        every such step has one. Empty buffers are left out: they fill no hole, and one
+        sharing an offset with a buffer would take that buffer's hole."""
         dtype = np.int64 if sum(self.sizes) < _INT64_SAFE else object
         sizes, firsts, lasts = np.array(self.sizes, dtype=dtype), np.array(self.firsts), np.array(self.lasts)
         starts = np.array(offsets, dtype=dtype)
@@ -332,12 +337,12 @@ class StaticPlanner:
             steps.update(range(firsts[index], lasts[index] + 1))
         hole_under = {}
         for step in sorted(steps):
-            live = np.flatnonzero((firsts <= step) & (lasts >= step))
+            live = np.flatnonzero((firsts <= step) & (lasts >= step) & (sizes > 0))
             live = live[np.argsort(starts[live], kind="stable")]
             below = np.concatenate(([0], np.maximum.accumulate(ends[live])[:-1]))
             for index, hole in zip(live, starts[live] - below):
-                if hole > hole_under.get(index, 0):
-                    hole_under[index] = hole
+                if hole > hole_under.get(int(index), 0):
+                    hole_under[int(index)] = hole
         return sorted(hole_under, key=lambda index: (-hole_under[index], index))
 
     def offset(self, index):
