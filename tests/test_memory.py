@@ -126,6 +126,14 @@ def test_planner_repairs_a_plan_above_the_lower_bound(monkeypatch):
     assert repaired_random_sets() == (27, 92_672, 39_424)
 
 
+def planned(buffers):
+    """A StaticPlanner of `buffers` (size, first_use, last_use), planned."""
+    planner = StaticPlanner()
+    for size, first, last in buffers:
+        planner.add_buffer(size, first, last)
+    return planner.plan()
+
+
 def test_the_repair_moves_a_buffer_above_a_hole_into_it(monkeypatch):
     """Thirteen buffers (found among random sets) that every greedy order, and moving the
     buffers at the top alone, leave 256 bytes above the most bytes live at one step; moving
@@ -133,19 +141,13 @@ def test_the_repair_moves_a_buffer_above_a_hole_into_it(monkeypatch):
     holes' buffers are the ones moved, not any others, the random sets' figures show.)"""
     buffers = [(256, 3, 7), (1024, 5, 5), (1024, 4, 7), (1536, 5, 6), (256, 0, 1), (1280, 7, 7), (512, 0, 0),
                (256, 1, 4), (512, 1, 1), (1280, 1, 1), (1792, 7, 7), (768, 2, 5), (1792, 1, 4)]
-
-    def planned():
-        planner = StaticPlanner()
-        for size, first, last in buffers:
-            planner.add_buffer(size, first, last)
-        return planner.plan()
-    planner = planned()
+    planner = planned(buffers)
     assert planner.arena_size() == planner.lower_bound() == 4608
     check_no_overlap([(planner.offset(i), planner.sizes[i], planner.firsts[i], planner.lasts[i])
                       for i in range(len(planner))])
     assert min(planner._place(order, first_fit)[1] for order in planner._orders() for first_fit in (False, True)) == 4864
     monkeypatch.setattr(planner_module, "REPAIR_HOLE_STALL", 0)
-    assert planned().arena_size() == 4608 + 256
+    assert planned(buffers).arena_size() == 4608 + 256
 
 
 def test_above_holes_lists_the_buffers_resting_on_a_hole_at_a_step_reaching_the_top():
@@ -169,13 +171,7 @@ def test_the_skyline_order_packs_at_the_bound_what_the_others_and_top_moves_leav
     at it (and so, without it, does moving buffers above holes)."""
     buffers = [(2048, 6, 8), (1792, 0, 19), (1536, 1, 1), (768, 9, 10), (1792, 9, 9), (1792, 8, 10), (768, 2, 3),
                (512, 0, 2), (2048, 7, 7), (512, 3, 17), (2048, 2, 2), (1536, 7, 12), (1792, 6, 13), (2048, 14, 15)]
-
-    def planned():
-        planner = StaticPlanner()
-        for size, first, last in buffers:
-            planner.add_buffer(size, first, last)
-        return planner.plan()
-    planner = planned()
+    planner = planned(buffers)
     assert planner.arena_size() == planner.lower_bound() == 9984
     assert planner._place(planner._skyline_order(), first_fit=False)[1] == 9984
     check_no_overlap([(planner.offset(i), planner.sizes[i], planner.firsts[i], planner.lasts[i])
@@ -183,9 +179,9 @@ def test_the_skyline_order_packs_at_the_bound_what_the_others_and_top_moves_leav
     every_order = StaticPlanner._orders
     monkeypatch.setattr(StaticPlanner, "_orders", lambda self: [o for o in every_order(self)
                                                                   if o != self._skyline_order()])
-    assert planned().arena_size() == 9984
+    assert planned(buffers).arena_size() == 9984
     monkeypatch.setattr(planner_module, "REPAIR_HOLE_STALL", 0)
-    assert planned().arena_size() == 9984 + 256
+    assert planned(buffers).arena_size() == 9984 + 256
 
 
 def test_the_array_placement_places_as_the_list_one():
