@@ -208,7 +208,7 @@ class StaticPlanner:
         that every order above leaves far above the bound, at the bound (GoogLeNet's lossless plan
         with 5-replay chains within 15%: 13.6 MB above after a repair of top moves alone, at the
         bound with it)."""
-        sizes = np.array(self.sizes, dtype=object if sum(self.sizes) >= _INT64_SAFE else np.int64)
+        sizes = np.array(self.sizes, dtype=self._byte_dtype())
         firsts, lasts = np.array(self.firsts), np.array(self.lasts)
         rank = np.empty(len(sizes), dtype=np.int64)
         rank[self._largest_first()] = np.arange(len(sizes))
@@ -231,6 +231,11 @@ class StaticPlanner:
                 beside = [heights[step] for step in (start - 1, end + 1) if 0 <= step < len(heights)]
                 heights[start:end + 1] = min(beside)
         return order
+
+    def _byte_dtype(self):
+        """The array dtype for byte counts and offsets: int64 where the arena's every byte fits
+        in one, Python integers past that."""
+        return np.int64 if sum(self.sizes) < _INT64_SAFE else object
 
     def _largest_first(self):
         """The buffers largest first, the earliest first use among equals."""
@@ -328,7 +333,7 @@ class StaticPlanner:
         one under it at any such step; the first index among equals). Above the lower bound,
         every such step has one. Empty buffers are left out: they fill no hole, and one
         sharing an offset with a buffer would take that buffer's hole."""
-        dtype = np.int64 if sum(self.sizes) < _INT64_SAFE else object
+        dtype = self._byte_dtype()
         sizes, firsts, lasts = np.array(self.sizes, dtype=dtype), np.array(self.firsts), np.array(self.lasts)
         starts = np.array(offsets, dtype=dtype)
         ends = starts + sizes
