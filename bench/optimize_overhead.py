@@ -23,8 +23,8 @@ does not describe a step measured in another. The bench therefore times `none`'s
 before and right after each profiling run and during each measurement; where the three differ
 by more than --state-tolerance, the machine changed state in between: it profiles again, plans
 that budget again and measures again (at most --retries times; where the state never held, the
-row is the attempt in which it moved least). Each row prints the three `none` step times and
-which attempt it is (0: the first).
+row is the attempt in which it moved least; later rows plan with the latest profiling run).
+Each row prints the three `none` step times and which attempt it is (1: the first).
 """
 import argparse
 import os
