@@ -129,7 +129,7 @@ def main():
     parser.add_argument("--budgets", nargs="*", type=byte_size, default=(),
                         help="budgets (e.g. 40MiB) instead of 2x, 3x and 4x below none")
     # resnet20's none step moved by up to 3% between profiling runs in one state, and by 15-30%
-    # between states, where a chunked convolution went from 4% slower than none's to 6% faster
+    # between states, where its chunked program went from 1-5% slower than its plain one to 6% faster
     parser.add_argument("--state-tolerance", type=float, default=0.05,
                         help="how far none's step time may move between profiling and measuring (a fraction)")
     parser.add_argument("--retries", type=int, default=2,
