@@ -237,12 +237,14 @@ def make_parser():
                             "default), lossy (reduced precision, --dpr) or all")
     group.add_argument("--dpr", choices=list(DPR_FORMATS),
                        help="the reduced-precision format of --gist lossy/all (default fp16)")
-    group.add_argument("--update", choices=list(UPDATES),
+    group.add_argument("--update", choices=list(UPDATES) + ["auto"],
                        help="when each parameter's SGD update runs: fused (right after its layer's "
                             "backward, so weight gradients are freed as soon as they are applied and "
                             "share memory; the default), blocked (fused, and a fully connected layer's "
-                            "weight gradient above 16 MiB made and applied a block of rows at a time) or separate (after the whole backward pass, "
-                            "as Caffe does; every gradient is live at once). Same weights bit for bit")
+                            "weight gradient above 16 MiB made and applied a block of rows at a time), "
+                            "separate (after the whole backward pass, as Caffe does; every gradient is live at "
+                            "once), or with --optimize auto (the optimizer chooses fused or blocked, compared "
+                            "with fused). Same weights bit for bit (blocked: on one BLAS thread)")
     group.add_argument("--microbatch", type=microbatch_spec, metavar="BLOB:SAMPLES|auto",
                        help="run the front of the net, from its input through top BLOB, SAMPLES samples at a "
                             "time: forward, and again in the backward pass before its backward, so none of its "

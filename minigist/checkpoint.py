@@ -217,10 +217,10 @@ def model_change(then, now):
 # the configuration a checkpoint records; a resumed run takes it for the settings it does not give
 RESUME_KEYS = ("model", "data", "holdout", "input_size", "batch_size", "crop_pad", "flip", "lr", "warmup", "lr_step",
                "lr_gamma", "momentum", "weight_decay", "bn_average", "seed", "gist", "dpr", "conv", "threads",
-               "add_loss", "memory_budget", "optimize")
+               "add_loss", "memory_budget", "optimize", "update")
 CONFIG_EXTRA_KEYS = ("epochs", "iters", "alloc", "device")
 # keys a checkpoint written before they were recorded lacks: its run resumes as it did then
-OPTIONAL_CONFIG_KEYS = ("memory_budget", "optimize")
+OPTIONAL_CONFIG_KEYS = ("memory_budget", "optimize", "update")
 # what a resume may change: the learning-rate schedule (e.g. after a NaN loss)
 RESUME_CHANGEABLE = ("lr", "warmup", "lr_step", "lr_gamma")
 
@@ -331,7 +331,7 @@ def check_meta(meta, check_config=None):
 def check_optimized_plan(entry):
     """Raise ValueError unless `entry` is the choices of an optimized plan as a training run
     records them (OptimizedPlan.to_json's overrides, recompute, recompute_shared, chunk_bytes,
-    and its micro-batched front, where it has the key)."""
+    and its micro-batched front and SGD update, where it has the keys)."""
     check_fields(entry, {"overrides": "dict", "recompute": "list", "recompute_shared": "list",
                          "chunk_bytes": "count?"}, "the optimized plan")
     names = list(entry["overrides"].items()) + [(t, "") for t in entry["recompute"] + entry["recompute_shared"]]
@@ -343,6 +343,8 @@ def check_optimized_plan(entry):
     if front is not None and not (isinstance(front, list) and len(front) == 2 and isinstance(front[0], str)
                                   and type(front[1]) is int and front[1] > 0):
         raise ValueError(f"the optimized plan's 'microbatch' is {front!r}, not [BLOB, SAMPLES]")
+    if entry.get("update", "fused") not in ("fused", "blocked"):
+        raise ValueError(f"the optimized plan's 'update' is {entry['update']!r}, not fused or blocked")
 
 
 def checkpoint_iteration(folder):

@@ -69,10 +69,32 @@ def step_flops(step):
 def step_bytes(step, buffers):
     """Bytes of every buffer the step names, each counted once, but its workspace: scratch of
     a batch chunk, sized to stay in the caches (the same traffic to memory whatever the chunk)."""
+    if "rows" in step.args:
+        return _rows_bytes(step, buffers)
     whole = set(step.args.get("whole", ()))     # a micro-batch reads rows of these
     first, end = step.args.get("samples", (0, 0))
     return sum(buffers[name].nbytes * (end - first) // buffers[name].shape[0] if name in whole else buffers[name].nbytes
                for name in set(step.buffer_names()) if name in buffers and buffers[name].category != WORKSPACE)
+
+
+def _rows_bytes(step, buffers):
+    """Bytes a step of the blocked update (passes/backward.py) touches: a block of rows of the
+    weights, their momentum and the gradient block, the same columns of gy, and x whole."""
+    first, end = step.args["rows"]
+    rows = step.layer.params[0].shape[0]
+    total = 0
+    for role, value in step.args.items():
+        for name in set(names_in(value)):
+            buffer = buffers.get(name)
+            if buffer is None or buffer.category == WORKSPACE:
+                continue
+            if role == "x":
+                total += buffer.nbytes
+            elif role in ("grad", "gp"):    # the block's own buffer, its first rows used
+                total += buffer.nbytes * min(end - first, buffer.shape[0]) // buffer.shape[0]
+            else:                           # the weights, momentum and gy: rows of rows
+                total += buffer.nbytes * (end - first) // rows
+    return total
 
 
 def _output_bytes(step, buffers):
@@ -106,12 +128,22 @@ def signature(step, program=None):
         name = f"{name}:micro-batch of {end - first}"
     if "rows" in step.args:       # a block of a weight gradient's rows, made or applied
         name = f"{name}:rows {step.args['rows'][0]}-{step.args['rows'][1]}"
+    elif kind == "backward" and _weight_grad_apart(step):  # the blocked update's: its input gradient alone
+        name = f"{name}:weight gradient in blocks"
     op = "" if step.op is None or step.kind == "recompute" else type(step.op).__name__
     chunk = getattr(step.layer, "chunk_bytes", None)    # a layer's time depends on its batch chunks
     key = (kind, name, op) if chunk is None else (kind, name, op, chunk)
     if program is not None and runs_in_place(step, program):
         key += (IN_PLACE,)
     return key
+
+
+def _weight_grad_apart(step):
+    """Whether a layer's backward step leaves its trained weights' gradient to the blocked
+    update's steps of rows (passes/backward.py)."""
+    params = step.layer.params if step.layer is not None else ()
+    gp = step.args.get("gp") or ()
+    return bool(params) and params[0].trained and bool(gp) and gp[0] is None
 
 
 # The reference rates: what measure_rates found, with one BLAS thread, on the machine the

@@ -188,8 +188,8 @@ class Net:
 
     def apply_plan(self, plan):
         """Train with a plan of minigist.optimize from now on (its Gist overrides, recomputed
-        tensors, densities, batch chunks and micro-batched front; re-plans, weights and
-        momentum kept)."""
+        tensors, densities, batch chunks, micro-batched front and SGD update; re-plans, weights
+        and momentum kept)."""
         if plan.options.chunk_bytes != self.options.chunk_bytes:
             for graph in self.graphs.values():
                 set_chunks(graph, self.options.replace(chunk_bytes=plan.options.chunk_bytes))
@@ -197,7 +197,7 @@ class Net:
                                             overrides=plan.options.overrides, recompute=plan.options.recompute,
                                             recompute_shared=plan.options.recompute_shared,
                                             densities=plan.options.densities, chunk_bytes=plan.options.chunk_bytes,
-                                            microbatch=plan.options.microbatch)
+                                            microbatch=plan.options.microbatch, update=plan.options.update)
         self.optimized = plan if hasattr(plan, "decisions") else None
         self._build()
 

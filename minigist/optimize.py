@@ -60,7 +60,7 @@ from .passes import gist as gist_pass
 from .passes.gist import dpr_applies
 from .passes.microbatch import front_candidates
 from .pipeline import Options, compile
-from .program import INPUT, STASH
+from .program import INPUT, STASH, WEIGHT_GRAD_BLOCK_BYTES
 
 KEEP = "fp32"
 # recomputed (Options.recompute), shared (also in Options.recompute_shared: a segment that rebuilds
@@ -142,7 +142,7 @@ class RecordedPlan(Settings):
                                          recompute_shared=tuple(record["recompute_shared"]),
                                          chunk_bytes=record["chunk_bytes"],
                                          microbatch=tuple(record["microbatch"] or ()) if "microbatch" in record
-                                         else options.microbatch))
+                                         else options.microbatch, update=record.get("update", options.update)))
         self.record = dict(record)
         self.decisions = list(record.get("decisions", []))
 
@@ -181,7 +181,7 @@ class OptimizedPlan:
                 "cost_model": self.cost_model.describe(), "cost_model_detail": self.cost_model.to_json(),
                 "overrides": dict(self.options.overrides), "recompute": list(self.options.recompute),
                 "recompute_shared": list(self.options.recompute_shared), "chunk_bytes": self.options.chunk_bytes,
-                "microbatch": list(self.options.microbatch) or None,
+                "microbatch": list(self.options.microbatch) or None, "update": self.options.update,
                 "decisions": [d.to_json() for d in self.decisions]}
 
 
@@ -300,9 +300,12 @@ class Optimizer:
     (in options.dpr) may be chosen, and, where nothing fits at the layers' own batch chunks,
     smaller ones (SMALL_CHUNK_BYTES: less workspace; a sum over a batch then rounds
     differently, so never under lossless). `reference`: the optimizer at the layers' own
-    chunks, whose unoptimized plan this one's plans are compared with."""
+    chunks, whose unoptimized plan this one's plans are compared with. `compared_with`: the
+    settings whose unoptimized plan, front whole, the plans are compared with where there is no
+    `reference` (None: `options` themselves; SettingsSearch compares a blocked update's plans
+    with the fused update's `none`)."""
 
-    def __init__(self, model, options, cost_model, lossy=False, reference=None):
+    def __init__(self, model, options, cost_model, lossy=False, reference=None, compared_with=None):
         _require_scipy()
         if options.alloc != "static":
             raise MinigistError(f"--optimize plans for --alloc static (the exact plan), not {options.alloc}")
@@ -327,9 +330,11 @@ class Optimizer:
         self.reference = reference
         self.baseline_footprint = reference.baseline_footprint if reference else self._needed(self.base)
         self.baseline_seconds = reference.baseline_seconds if reference else self.base_seconds
-        if reference is None and options.microbatch:
-            # compared with `none` as it is, its front not micro-batched
-            whole = compile(model, self.options.replace(gist="none", microbatch=()))
+        compared = (compared_with or options).replace(gist="none", overrides=(), recompute=(), recompute_shared=(),
+                                                      budget=None, microbatch=())
+        if reference is None and compared != self.options.replace(gist="none"):
+            # compared with `none` as it is: its front not micro-batched, its update as asked
+            whole = compile(model, compared)
             self.baseline_footprint = self._needed(whole)
             self.baseline_seconds = self.cost.program_seconds(whole.program)
         self._chunked = None
@@ -1183,23 +1188,35 @@ class Optimizer:
 
 
 
-class FrontSearch:
-    """The optimizers of one net with its front whole and micro-batched through each of
-    passes/microbatch.front_candidates (train.py --microbatch auto): fit, smallest and within
-    ask each and take the best plan, so the front is chosen with the per-stash choices. Every
-    plan is compared with `none` with the front whole. `fronts`: the (blob, samples) planned
-    beside the whole front; `dropped`: {front: why} of those that could not be (an evaluation
-    program or smaller chunks the pass refuses): the search goes on without them."""
+class SettingsSearch:
+    """The optimizers of one net under each setting chosen beside the per-stash choices: the
+    front whole and micro-batched through each of `fronts` (train.py --microbatch auto, where
+    `choose_front`; None: passes/microbatch.front_candidates), under `options`' SGD update and each of
+    `updates` (--update auto: "blocked", where it makes some weight gradient in blocks). fit,
+    smallest and within ask each and take the best plan. Every plan is compared with `none`
+    under `options`, its front whole. `dropped`: {(update, front): why} of the settings that
+    could not be planned (an evaluation program or smaller chunks the pass refuses): the search
+    goes on without them."""
 
-    def __init__(self, model, options, cost_model, lossy=False, fronts=None):
+    def __init__(self, model, options, cost_model, lossy=False, fronts=None, updates=(), choose_front=True):
         self.whole = Optimizer(model, options.replace(microbatch=()), cost_model, lossy=lossy)
-        self.optimizers, self.fronts, self.dropped = [self.whole], [], {}
-        for front in (front_candidates(self.whole.base.program) if fronts is None else fronts):
-            try:
-                self.optimizers.append(Optimizer(model, options.replace(microbatch=front), cost_model, lossy=lossy))
-                self.fronts.append(front)
-            except MinigistError as exc:
-                self.dropped[front] = str(exc)
+        self.choose_front = choose_front
+        if not choose_front:
+            fronts = ()
+        self.fronts = front_candidates(self.whole.base.program) if fronts is None else list(fronts)
+        self.updates = [options.update]
+        self.unblocked = [u for u in updates if u == "blocked" and not makes_blocks(model, options)]
+        self.updates += [u for u in updates if u != options.update and u not in self.unblocked]
+        self.optimizers, self.dropped = [self.whole], {}
+        for update in self.updates:
+            for front in [()] + self.fronts:
+                if (update, front) == (options.update, ()):
+                    continue
+                try:
+                    self.optimizers.append(Optimizer(model, options.replace(update=update, microbatch=front),
+                                                     cost_model, lossy=lossy, compared_with=options))
+                except MinigistError as exc:
+                    self.dropped[(update, front)] = str(exc)
         self.baseline_footprint = self.whole.baseline_footprint
         self.baseline_seconds = self.whole.baseline_seconds
 
@@ -1208,25 +1225,26 @@ class FrontSearch:
         return min((optimizer.floor() for optimizer in self.optimizers), key=lambda found: found[0])
 
     def fit(self, budget):
-        """The plan of least predicted time that fits `budget` bytes over every front (the whole
-        front among equals); when none fits, the refusal of the front that came nearest (the
-        least of NothingFits.least: a footprint found, or a bound where no search was needed),
-        naming it. A front whose planning fails otherwise is left out."""
+        """The plan of least predicted time that fits `budget` bytes over every setting (the
+        whole front and the asked update among equals); when none fits, the refusal of the
+        setting that came nearest (the least of NothingFits.least: a footprint found, or a
+        bound where no search was needed), naming it. A setting whose planning fails otherwise
+        is left out."""
         plans, refusals = [], []
-        for optimizer in self.optimizers:
+        for optimizer in list(self.optimizers):
             try:
                 plans.append(optimizer.fit(budget))
             except NothingFits as exc:
-                refusals.append((exc.least, len(refusals), exc, optimizer.options.microbatch))
+                refusals.append((exc.least, len(refusals), exc, optimizer.options))
             except MinigistError as exc:
                 self._drop(optimizer, exc)
         if plans:
             return min(plans, key=lambda plan: plan.predicted_seconds)
-        least, _, exc, front = min(refusals)
-        if not self.fronts:
+        least, _, exc, options = min(refusals)
+        if len(self.optimizers) == 1:
             raise exc
-        named = "the front whole" if not front else f"the front through {front[0]}, {front[1]} at a time"
-        raise NothingFits(f"{exc} ({named}, the nearest of the fronts tried: {self._tried()})", least)
+        tried = "fronts" if len(self.updates) == 1 else "settings"
+        raise NothingFits(f"{exc} ({self._named(options)}, the nearest of the {tried} tried: {self._tried()})", least)
 
     def smallest(self):
         return _smaller([self._ask(optimizer, optimizer.smallest) for optimizer in list(self.optimizers)])
@@ -1243,32 +1261,66 @@ class FrontSearch:
             return None
 
     def _drop(self, optimizer, exc):
-        """Leave a micro-batched front out of the search (the whole front's errors stand)."""
+        """Leave a setting out of the search (the whole front's errors under the asked update
+        stand)."""
         if optimizer is self.whole:
             raise exc
-        front = optimizer.options.microbatch
         self.optimizers.remove(optimizer)
-        self.fronts.remove(front)
-        self.dropped[front] = str(exc)
+        self.dropped[(optimizer.options.update, optimizer.options.microbatch)] = str(exc)
+
+    def _named(self, options):
+        front = options.microbatch
+        named = "the front whole" if not front else f"the front through {front[0]}, {front[1]} at a time"
+        return named + (f", the {options.update} update" if len(self.updates) > 1 else "")
 
     def describe(self):
-        """The fronts tried, in words."""
-        dropped = "".join(f"; {blob}:{samples} left out ({why})" for (blob, samples), why in self.dropped.items())
-        if not self.fronts:
-            return ("--microbatch auto: no front of this net may run a micro-batch at a time (convolutions on "
-                    f"--conv im2col, ReLU, pooling and LRN up to a pool); the front is whole{dropped}")
-        return f"--microbatch auto: fronts tried: {self._tried()}{dropped}"
+        """The settings tried, in words."""
+        dropped = "".join(f"; {self._label(update, front)} left out ({why})"
+                          for (update, front), why in self.dropped.items())
+        parts = []
+        if self.choose_front:
+            fronts = [front for front in self.fronts if any(o.options.microbatch == front for o in self.optimizers)]
+            if not fronts and not self.dropped:
+                parts.append("--microbatch auto: no front of this net may run a micro-batch at a time (convolutions "
+                             "on --conv im2col, ReLU, pooling and LRN up to a pool); the front is whole")
+            else:
+                parts.append("--microbatch auto: fronts tried: " + ", ".join(
+                    ["whole"] + [f"{blob}:{samples}" for blob, samples in fronts]))
+        if len(self.updates) > 1 or self.unblocked:
+            updates = "--update auto: updates tried: " + ", ".join(self.updates)
+            if self.unblocked:
+                updates += (f" (blocked makes no weight gradient in blocks here: none is above "
+                            f"{WEIGHT_GRAD_BLOCK_BYTES >> 20} MiB)")
+            parts.append(updates)
+        return "; ".join(parts) + dropped
+
+    def _label(self, update, front):
+        label = "whole" if not front else f"{front[0]}:{front[1]}"
+        return label + (f" {update}" if len(self.updates) > 1 else "")
 
     def _tried(self):
-        return ", ".join(["whole"] + [f"{blob}:{samples}" for blob, samples in self.fronts])
+        return ", ".join(self._label(o.options.update, o.options.microbatch) for o in self.optimizers)
 
 
-def optimizer_for(model, options, cost_model, lossy=False, microbatch=None, fronts=None):
-    """An Optimizer, or with microbatch "auto" a FrontSearch (of `fronts`, None: the
-    candidates it finds); any other `microbatch` is the front to plan with (BLOB, SAMPLES),
-    None or () for `options`' own."""
-    if microbatch == "auto":
-        return FrontSearch(model, options, cost_model, lossy=lossy, fronts=fronts)
+def makes_blocks(model, options):
+    """Whether the blocked update makes some weight gradient of `model` in blocks of rows
+    (otherwise its program is the fused update's)."""
+    program = compile(model, options.replace(gist="none", update="blocked", microbatch=())).program
+    return any("rows" in step.args for step in program.steps)
+
+
+def optimizer_for(model, options, cost_model, lossy=False, microbatch=None, fronts=None, update=None):
+    """An Optimizer, or with microbatch "auto" or update "auto" a SettingsSearch (of `fronts`,
+    None: the candidates it finds; of the fused and the blocked update, compared with the fused
+    one's `none`); any other `microbatch` is the front to plan with (BLOB, SAMPLES), None or ()
+    for `options`' own, and any other `update` the update (None: `options`' own)."""
+    if update == "auto":
+        options, updates = options.replace(update="fused"), ("blocked",)
+    else:
+        options, updates = options.replace(update=update or options.update), ()
+    if microbatch == "auto" or updates:
+        return SettingsSearch(model, options, cost_model, lossy=lossy, fronts=fronts, updates=updates,
+                              choose_front=microbatch == "auto")
     if microbatch:
         options = options.replace(microbatch=tuple(microbatch))
     return Optimizer(model, options, cost_model, lossy=lossy)
@@ -1298,16 +1350,18 @@ def optimize(model, budget=None, batch_size=None, input_size=None, gist="lossles
     given, carries the settings instead of the keywords. `cost_model`: a costmodel model (None:
     the FLOP model at the reference rates, costmodel.reference_model). Net(model, plan=...)
     trains with it. `microbatch`: (BLOB, SAMPLES), the front run a micro-batch at a time
-    (train.py --microbatch), or "auto": the optimizer chooses it too (FrontSearch)."""
+    (train.py --microbatch), or "auto": the optimizer chooses it too (SettingsSearch); `update`
+    "auto" lets it choose the fused or the blocked SGD update (train.py --update auto), every
+    plan compared with the fused update's `none`."""
     from .costmodel import reference_model
     budget = budget_bytes(budget)
     if gist not in ("lossless", "all"):
         raise MinigistError(f"--gist: the optimizer chooses with lossless or all, not {gist!r}")
     if options is None:
         options = Options(batch_size=batch_size, input_size=input_size, dpr=dpr, densities=densities,
-                          update=update, conv=conv)
+                          update="fused" if update == "auto" else update, conv=conv)
     optimizer = optimizer_for(model, options, cost_model or reference_model(), lossy=gist == "all",
-                              microbatch=microbatch)
+                              microbatch=microbatch, update="auto" if update == "auto" else None)
     if max_overhead is not None:
         plan = optimizer.within(max_overhead)
         if plan is None:

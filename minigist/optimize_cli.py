@@ -9,13 +9,15 @@ decisions and draws the frontier.
 
 import math
 
+import numpy as np
+
 from .costmodel import MeasuredModel, flop_model, profile_programs, reference_model
 from .errors import MinigistError
-from .optimize import (KEEP, SMALL_CHUNK_BYTES, FrontSearch, RecordedPlan, Settings, dominated_by,
-                       lossy_overrides, optimizer_for)
+from .optimize import (KEEP, SMALL_CHUNK_BYTES, RecordedPlan, Settings, SettingsSearch, makes_blocks,
+                       dominated_by, lossy_overrides, optimizer_for)
 from .passes.microbatch import front_candidates
 from .pipeline import compile, plan_report
-from .program import STASH
+from .program import STASH, WEIGHT_GRAD_BLOCK_BYTES
 
 FRONTIER_POINTS = 8
 # timed iterations of each profiled program: on a shared 2-core machine a program's time moves
@@ -48,12 +50,17 @@ def auto_front(args):
     return "auto" if getattr(args, "microbatch", None) == "auto" else None
 
 
-def _optimizer(model, options, cost, args, out, fronts=None):
-    """The optimizer --optimize asks (optimize.optimizer_for), the fronts it tries said first
-    under --microbatch auto."""
+def auto_update(args):
+    """"auto" where --update auto lets the optimizer choose the update, else None."""
+    return "auto" if getattr(args, "update", None) == "auto" else None
+
+
+def _optimizer(model, options, cost, args, out, fronts=None, update=None):
+    """The optimizer --optimize asks (optimize.optimizer_for), the fronts and updates it tries
+    said first under --microbatch auto and --update auto (`update`: None, as args say)."""
     optimizer = optimizer_for(model, options, cost, lossy=args.gist == "all", microbatch=auto_front(args),
-                              fronts=fronts)
-    if isinstance(optimizer, FrontSearch):
+                              fronts=fronts, update=auto_update(args) if update is None else update)
+    if isinstance(optimizer, SettingsSearch):
         out(optimizer.describe())
     return optimizer
 
@@ -75,6 +82,9 @@ def plan_lines(plan):
         unit = "samples" if microbatch[1] > 1 else "sample"
         lines.append(f"front: the input through {microbatch[0]} runs {microbatch[1]} {unit} at a time (--microbatch), "
                      f"its forward again in the backward pass (in the predicted time)")
+    if plan.options.update == "blocked":
+        lines.append("update: blocked (--update): a fully connected layer's weight gradient above "
+                     f"{WEIGHT_GRAD_BLOCK_BYTES >> 20} MiB is made and applied a block of rows at a time")
     lines.append("decisions:")
     rows = [("tensor", "layer", "choice", "bytes saved", "time added")]
     for decision in plan.decisions:
@@ -113,7 +123,8 @@ def frontier_row(budget, plan):
     shown = "smallest" if budget is None else f"{budget:,}"
     front = getattr(plan.options, "microbatch", ())
     return (f"  {shown:>16}  {plan.footprint_bytes:>16,}  {plan.ratio:6.2f}x  "
-            f"{100 * plan.predicted_overhead:+8.1f}%" + (f"  front {front[0]}:{front[1]}" if front else ""))
+            f"{100 * plan.predicted_overhead:+8.1f}%" + (f"  front {front[0]}:{front[1]}" if front else "")
+            + ("  blocked update" if plan.options.update == "blocked" else ""))
 
 
 def _tick_step(high, most=6):
@@ -195,12 +206,13 @@ def plan_only(path, options, args, out=print):
     return report
 
 
-def profiled_model(model, options, batch, lossy, threads=None, out=print, fronts=()):
+def profiled_model(model, options, batch, lossy, threads=None, out=print, fronts=(), updates=()):
     """The measured cost model of a training run: throwaway nets under the programs the
     optimizer chooses from (every stash kept; the lossless rules; under lossy modes DPR
     everywhere it applies, and the three again at SMALL_CHUNK_BYTES) and one that recomputes
     every stash (at both chunk sizes under lossy modes), and under each of `fronts` (--microbatch
-    auto: (blob, samples)) its `none` program, so that the fronts' steps are timed too, each
+    auto: (blob, samples)) and of `updates` (--update auto: "blocked") its `none` program, so
+    that the fronts' steps and the blocked update's are timed too, each
     step timed on `batch`, and each program's own time kept. Falls back to the FLOP model where
     those nets do not fit this machine."""
     from .net import Net
@@ -221,6 +233,8 @@ def profiled_model(model, options, batch, lossy, threads=None, out=print, fronts
         chunked = [base.replace(chunk_bytes=SMALL_CHUNK_BYTES)] if lossy else []
         nets += _replaying_nets(model, [base] + chunked, nets[0], threads)
         nets += _front_nets(model, base, fronts, threads)
+        nets += [Net(model, threads=threads, plan=Settings(base.replace(gist="none", update=update)))
+                 for update in updates if update != base.update]
         seconds, own = profile_programs(nets, batch, repeats=PROFILE_REPEATS)
     except MinigistError as exc:
         out(f"cost model: FLOPs and bytes (the profiling run could not run here: {exc})")
@@ -275,8 +289,17 @@ def fit_training_net(net, batch, args, out=print):
     fronts = []
     if auto_front(args):
         fronts = front_candidates(compile(net.model, options.replace(gist="none", microbatch=())).program)
-    cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out, fronts=fronts)
-    optimizer = _optimizer(net.model, options, cost, args, out, fronts)
+    update = None
+    if auto_update(args) and args.gist == "lossless" and not (net.xp is np and net.blas_threads == 1):
+        # a block's GEMM rounds as the same rows of the whole one only on one CPU BLAS thread
+        threads = f"{net.blas_threads} BLAS threads" if net.xp is np else "the GPU"
+        out(f"--update auto: the blocked update rounds apart from the fused one on {threads}; under --gist "
+            f"lossless the fused update alone is planned (--threads 1 for both)")
+        update = "fused"
+    updates = ["blocked"] if auto_update(args) and update is None and makes_blocks(net.model, options) else []
+    cost = profiled_model(net.model, net.options, batch, args.gist == "all", net.threads, out, fronts=fronts,
+                          updates=updates)
+    optimizer = _optimizer(net.model, options, cost, args, out, fronts, update)
     plan = optimizer.fit(args.memory_budget)
     net.apply_plan(plan)
     net.optimized = plan

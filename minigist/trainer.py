@@ -453,7 +453,7 @@ def _count(number, noun):
 
 def gist_kwargs(args):
     """The Gist and engine settings Net takes, from the options."""
-    return {"gist": args.gist, "dpr": args.dpr, "update": args.update, "conv": args.conv}
+    return {"gist": args.gist, "dpr": args.dpr, "update": named_update(args), "conv": args.conv}
 
 
 def compile_options(path, args, alloc=None, gist=None):
@@ -461,15 +461,21 @@ def compile_options(path, args, alloc=None, gist=None):
     `choose_densities`, none where it found none): one rank's, where there are several."""
     return per_rank(path, Options(
         batch_size=args.batch_size, input_size=args.input_size, input_channels=args.input_channels, conv=args.conv,
-        alloc=alloc or args.alloc, gist=args.gist if gist is None else gist, dpr=args.dpr, update=args.update,
+        alloc=alloc or args.alloc, gist=args.gist if gist is None else gist, dpr=args.dpr, update=named_update(args),
         densities=getattr(args, "ssdc_density", None), add_loss=args.add_loss, ranks=getattr(args, "ranks", None) or 1,
         shard=getattr(args, "shard", "none"), bucket_bytes=getattr(args, "bucket_size", DEFAULT_BUCKET_BYTES),
         microbatch=named_front(args)))
 
 
+def named_update(args):
+    """--update as the pipeline takes it: "fused" for auto (the optimizer then chooses between
+    it and "blocked", optimize.SettingsSearch, comparing with fused)."""
+    return "fused" if args.update == "auto" else args.update
+
+
 def named_front(args):
     """--microbatch as the pipeline takes it: (BLOB, SAMPLES), or () for none and for auto
-    (the optimizer then chooses the front, optimize.FrontSearch)."""
+    (the optimizer then chooses the front, optimize.SettingsSearch)."""
     front = getattr(args, "microbatch", None)
     return () if front in (None, "auto") else front
 
@@ -611,6 +617,9 @@ class Trainer:
         elif args.microbatch == "auto":
             raise MinigistError("--microbatch auto: the optimizer chooses the front; give --optimize, or name one "
                                 "as BLOB:SAMPLES")
+        elif args.update == "auto":
+            raise MinigistError("--update auto: the optimizer chooses between fused and blocked; give --optimize, or "
+                                "name one")
         if args.summary or args.plan_only:
             if "data" in self.given:    # read by no step, but a path that names nothing is a mistake
                 datasets.check_spec(args.data)

@@ -9,7 +9,7 @@ import pytest
 import minigist
 from minigist.checkpoint import check_optimized_plan
 from minigist.errors import MinigistError
-from minigist.optimize import FrontSearch, NothingFits, Optimizer, RecordedPlan, Settings
+from minigist.optimize import SettingsSearch, NothingFits, Optimizer, RecordedPlan, Settings
 from minigist.passes.microbatch import front_candidates
 from minigist.pipeline import Options, compile
 from test_gist import batches, model
@@ -156,7 +156,7 @@ def test_auto_tries_each_pooling_front_at_its_smallest_micro_batch():
     # at the layers' own chunks conv1_1's chunk is the whole batch: no front may be micro-batched,
     # and the search is the plain optimizer's, its refusal too
     assert front_candidates(compile(VGG, BASE.replace(gist="none", chunk_bytes=None)).program) == []
-    search = FrontSearch(VGG, BASE.replace(chunk_bytes=None), minigist.costmodel.reference_model())
+    search = SettingsSearch(VGG, BASE.replace(chunk_bytes=None), minigist.costmodel.reference_model())
     assert search.describe() == ("--microbatch auto: no front of this net may run a micro-batch at a time "
                                  "(convolutions on --conv im2col, ReLU, pooling and LRN up to a pool); the front is "
                                  "whole")
@@ -166,7 +166,7 @@ def test_auto_tries_each_pooling_front_at_its_smallest_micro_batch():
 
 
 def test_auto_chooses_the_front_a_budget_needs_and_the_plan_trains_bit_identically():
-    search = FrontSearch(VGG, BASE, minigist.costmodel.reference_model())
+    search = SettingsSearch(VGG, BASE, minigist.costmodel.reference_model())
     assert search.describe() == "--microbatch auto: fronts tried: whole, pool1:1, pool2:1, pool3:1"
     assert search.baseline_footprint == 24669952
     # room to spare: the whole front, at the least predicted time
@@ -190,7 +190,7 @@ def test_auto_chooses_the_front_a_budget_needs_and_the_plan_trains_bit_identical
 
 
 def test_a_plan_with_a_front_is_applied_and_read_back_from_its_record():
-    plan = FrontSearch(VGG, BASE, minigist.costmodel.reference_model()).fit(18_000_000)
+    plan = SettingsSearch(VGG, BASE, minigist.costmodel.reference_model()).fit(18_000_000)
     net = minigist.Net(VGG, seed=1, plan=Settings(BASE))
     net.apply_plan(plan)        # what a training run's --optimize does after calibration
     assert net.options.microbatch == ("pool2", 1)
@@ -279,7 +279,7 @@ def test_the_smaller_chunks_of_a_micro_batched_front_are_compared_with_the_whole
 
 
 def test_a_front_whose_planning_fails_is_left_out_of_the_search():
-    search = FrontSearch(VGG, BASE, minigist.costmodel.reference_model())
+    search = SettingsSearch(VGG, BASE, minigist.costmodel.reference_model())
     failing = search.optimizers[2]      # the front through pool2
 
     def refuse(*args, **kwargs):
@@ -304,6 +304,18 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "
 """
 
 
+def recorded_profiles(monkeypatch):
+    """The training programs a profiling run would time, in a list, none of them run."""
+    from minigist import optimize_cli
+    profiled = []
+
+    def record(nets, batch, repeats):
+        profiled.extend(net.compiled["train"].program for net in nets)
+        return {}, {}
+    monkeypatch.setattr(optimize_cli, "profile_programs", record)
+    return profiled
+
+
 def test_a_training_runs_cost_model_times_the_fronts_it_chooses_among(tmp_path, monkeypatch):
     """--optimize --microbatch auto in a training run: the profiling run times each candidate
     front's `none` program beside the whole front's, so that no front is priced from FLOPs
@@ -314,12 +326,7 @@ def test_a_training_runs_cost_model_times_the_fronts_it_chooses_among(tmp_path, 
     options = Options(batch_size=4, update="fused", conv="im2col")
     fronts = front_candidates(compile(str(path), options.replace(gist="none")).program)
     assert fronts == [("pool1", 1)]     # conv1's columns of one 224x224 sample fill a chunk
-    profiled = []
-
-    def record(nets, batch, repeats):
-        profiled.extend(net.compiled["train"].program for net in nets)
-        return {}, {}
-    monkeypatch.setattr(optimize_cli, "profile_programs", record)
+    profiled = recorded_profiles(monkeypatch)
     rng = np.random.default_rng(0)
     batch = (rng.standard_normal((4, 3, 224, 224)).astype(np.float32), rng.integers(0, 3, 4))
     optimize_cli.profiled_model(str(path), options, batch, lossy=False, threads=1, out=lambda line: None,

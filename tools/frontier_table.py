@@ -19,6 +19,9 @@ Seconds per network on stderr. `--microbatch vgg16=pool2:4` plans VGG-16 with it
 input through pool2, run 4 samples at a time (train.py --microbatch), still against `none` with
 the front whole; `--microbatch auto` (every network) or `vgg16=auto` lets the optimizer choose
 the front with each plan (train.py --microbatch auto), and a cell names the front its plan runs.
+`--update auto` lets it choose the SGD update, fused or blocked (a fully connected layer's weight
+gradient made a block of rows at a time), still against `none` with the update fused; a cell
+says where its plan's update is blocked.
 """
 import argparse
 import os
@@ -39,10 +42,11 @@ COLUMNS = ["lossless bound", "lossless min", "lossless 10%", "lossless 15%", "lo
            "fp16 min", "fp16 10%", "fp16 15%", "fp16 20%", "fp8 min"]
 
 
-def cells(name, cost, columns, microbatch=()):
-    """{column: (ratio, overhead or None, the plan's front)} of one network (its front
-    micro-batched where `microbatch` is (blob, samples), chosen per plan where it is "auto"),
-    and its none footprint in bytes (the front whole)."""
+def cells(name, cost, columns, microbatch=(), update="fused"):
+    """{column: (ratio, overhead or None, the plan's Options or None)} of one network (its
+    front micro-batched where `microbatch` is (blob, samples), chosen per plan where it is
+    "auto"; its SGD update `update`, chosen per plan between fused and blocked where it is
+    "auto"), and its none footprint in bytes (the front whole, the update fused where auto)."""
     path = os.path.join(ROOT, "models", name + ".prototxt")
     options = Options(batch_size=64, update="fused", conv="im2col", densities=densities(name))
     row, none = {}, None
@@ -50,18 +54,19 @@ def cells(name, cost, columns, microbatch=()):
         wanted = [c for c in columns if c.split()[0] == label]
         if not wanted:
             continue
-        optimizer = optimizer_for(path, options.replace(dpr=dpr), cost, lossy=lossy, microbatch=microbatch)
+        optimizer = optimizer_for(path, options.replace(dpr=dpr), cost, lossy=lossy, microbatch=microbatch,
+                                  update=update)
         none = optimizer.baseline_footprint
         best = None     # a plan within a smaller cap is within a larger one: the caps in order
         for column in sorted(wanted, key=_order):
             kind = column.split()[1]
             if kind == "bound":
-                row[column] = (none / optimizer.floor()[0], None, ())
+                row[column] = (none / optimizer.floor()[0], None, None)
                 continue
             plan = optimizer.smallest() if kind == "min" else optimizer.within(float(kind[:-1]) / 100)
             if plan is not None and (best is None or plan.footprint_bytes < best.footprint_bytes):
                 best = plan
-            row[column] = None if best is None else (best.ratio, best.predicted_overhead, best.options.microbatch)
+            row[column] = None if best is None else (best.ratio, best.predicted_overhead, best.options)
     return row, none
 
 
@@ -81,6 +86,9 @@ def main():
     parser.add_argument("--microbatch", nargs="*", default=[], metavar="NETWORK=BLOB:SAMPLES|NETWORK=auto|auto",
                         help="run that network's front through BLOB SAMPLES samples at a time, or let the optimizer "
                              "choose it (auto: for every network) (train.py --microbatch)")
+    parser.add_argument("--update", choices=["fused", "blocked", "auto"], default="fused",
+                        help="the SGD update of every plan, or auto: the optimizer chooses fused or blocked per plan, "
+                             "compared with fused's none (train.py --update)")
     args = parser.parse_args()
     fronts = {}
     for item in args.microbatch:
@@ -108,7 +116,7 @@ def main():
     ratios = {}
     for name in args.models:
         started = time.perf_counter()
-        row, none = cells(name, cost, columns, fronts.get(name, ()))
+        row, none = cells(name, cost, columns, fronts.get(name, ()), args.update)
         shown = []
         for column in columns:
             if row.get(column) is None:
@@ -117,8 +125,10 @@ def main():
             ratio, overhead, chosen = row[column]
             ratios.setdefault(column, {})[name] = ratio
             notes = ([] if overhead is None else [f"{100 * overhead:.0f}%"])
-            if fronts.get(name) == "auto" and chosen:
-                notes.append(f"front {chosen[0]}:{chosen[1]}")
+            if fronts.get(name) == "auto" and chosen is not None and chosen.microbatch:
+                notes.append(f"front {chosen.microbatch[0]}:{chosen.microbatch[1]}")
+            if args.update == "auto" and chosen is not None and chosen.update == "blocked":
+                notes.append("blocked update")
             shown.append(f"{ratio:.2f}x" + (f" ({', '.join(notes)})" if notes else ""))
         front = fronts.get(name)
         front = ("" if front is None else " (front chosen: --microbatch auto)" if front == "auto"
