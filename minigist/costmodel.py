@@ -92,7 +92,7 @@ def _rows_bytes(step, buffers):
                 total += buffer.nbytes
             elif role in ("grad", "gp"):    # the block's own buffer, its first rows used
                 total += buffer.nbytes * min(end - first, buffer.shape[0]) // buffer.shape[0]
-            else:                           # the weights, momentum and gy: rows of rows
+            else:                           # the block's rows of the weights and momentum, its columns of gy
                 total += buffer.nbytes * (end - first) // rows
     return total
 

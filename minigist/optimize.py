@@ -1191,9 +1191,9 @@ class Optimizer:
 class SettingsSearch:
     """The optimizers of one net under each setting chosen beside the per-stash choices: the
     front whole and micro-batched through each of `fronts` (train.py --microbatch auto, where
-    `choose_front`; None: passes/microbatch.front_candidates), under `options`' SGD update and each of
-    `updates` (--update auto: "blocked", where it makes some weight gradient in blocks). fit,
-    smallest and within ask each and take the best plan. Every plan is compared with `none`
+    `choose_front`; None: passes/microbatch.front_candidates), under `options`' SGD update and
+    each of `updates` (--update auto: "blocked", where it makes some weight gradient in
+    blocks). fit, smallest and within ask each and take the best plan. Every plan is compared with `none`
     under `options`, its front whole. `dropped`: {(update, front): why} of the settings that
     could not be planned (an evaluation program or smaller chunks the pass refuses): the search
     goes on without them."""
