@@ -26,6 +26,13 @@ FUSED_FLOOR = 65_238_016
 BLOCKED_NONE = 55_763_968
 
 
+def wide_images(tmp_path):
+    """WIDE reading 1x28x28 images, as train.py's --data gives them."""
+    path = tmp_path / "wide_images.prototxt"
+    path.write_text(WIDE.replace("shape { dim: 4 dim: 1100 }", "shape { dim: 4 dim: 1 dim: 28 dim: 28 }"))
+    return path
+
+
 @pytest.fixture
 def wide(tmp_path):
     path = tmp_path / "wide.prototxt"
@@ -164,8 +171,7 @@ def test_a_training_run_chooses_the_blocked_update_and_a_resume_keeps_it(tmp_pat
     resume applies it again without a new fit."""
     import train
     from minigist.checkpoint import read_checkpoint
-    path = tmp_path / "wide.prototxt"
-    path.write_text(WIDE.replace("shape { dim: 4 dim: 1100 }", "shape { dim: 4 dim: 1 dim: 28 dim: 28 }"))
+    path = wide_images(tmp_path)
     common = ["--model", str(path), "--data", "synthetic", "--threads", "1", "--eval-every", "0",
               "--train-eval-size", "0"]
     optimized, plain = tmp_path / "optimized", tmp_path / "plain"
@@ -199,8 +205,7 @@ def test_a_lossless_training_run_on_several_blas_threads_keeps_the_fused_update(
     """A block's GEMM rounds as the same rows of the whole product only on one BLAS thread:
     with two, --gist lossless plans the fused update alone, and says why."""
     import train
-    path = tmp_path / "wide.prototxt"
-    path.write_text(WIDE.replace("shape { dim: 4 dim: 1100 }", "shape { dim: 4 dim: 1 dim: 28 dim: 28 }"))
+    path = wide_images(tmp_path)
     common = ["--model", str(path), "--data", "synthetic", "--conv", "im2col", "--threads", "2", "--eval-every", "0",
               "--train-eval-size", "0", "--iters", "1", "--optimize", "--update", "auto"]
     assert train.main(common + ["--memory-budget", "70MB"]) == 0
