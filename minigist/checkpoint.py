@@ -343,6 +343,11 @@ def check_optimized_plan(entry):
     if front is not None and not (isinstance(front, list) and len(front) == 2 and isinstance(front[0], str)
                                   and type(front[1]) is int and front[1] > 0):
         raise ValueError(f"the optimized plan's 'microbatch' is {front!r}, not [BLOB, SAMPLES]")
+    spans = entry.get("spans", [])
+    if not (isinstance(spans, list) and all(isinstance(span, list) and len(span) == 3 and isinstance(span[0], str)
+                                            and isinstance(span[1], str) and type(span[2]) is int and span[2] > 0
+                                            for span in spans)):
+        raise ValueError(f"the optimized plan's 'spans' is {spans!r}, not a list of [START, THROUGH, SAMPLES]")
     if entry.get("update", "fused") not in ("fused", "blocked"):
         raise ValueError(f"the optimized plan's 'update' is {entry['update']!r}, not fused or blocked")
 

@@ -71,6 +71,11 @@ def step_bytes(step, buffers):
     a batch chunk, sized to stay in the caches (the same traffic to memory whatever the chunk)."""
     if "rows" in step.args:
         return _rows_bytes(step, buffers)
+    if "sample_range" in step.args:     # a micro-batch's rows of a code, decoded (passes/gist.py)
+        first, end = step.args["sample_range"]
+        return sum(buffers[name].nbytes * (end - first) // step.args["batch"] if name != step.args["out"]
+                   else buffers[name].nbytes for name in set(step.buffer_names())
+                   if name in buffers and buffers[name].category != WORKSPACE)
     whole = set(step.args.get("whole", ()))     # a micro-batch reads rows of these
     first, end = step.args.get("samples", (0, 0))
     return sum(buffers[name].nbytes * (end - first) // buffers[name].shape[0] if name in whole else buffers[name].nbytes

@@ -188,7 +188,7 @@ class Net:
 
     def apply_plan(self, plan):
         """Train with a plan of minigist.optimize from now on (its Gist overrides, recomputed
-        tensors, densities, batch chunks, micro-batched front and SGD update; re-plans, weights
+        tensors, densities, batch chunks, micro-batched front and spans and SGD update; re-plans, weights
         and momentum kept)."""
         if plan.options.chunk_bytes != self.options.chunk_bytes:
             for graph in self.graphs.values():
@@ -197,7 +197,8 @@ class Net:
                                             overrides=plan.options.overrides, recompute=plan.options.recompute,
                                             recompute_shared=plan.options.recompute_shared,
                                             densities=plan.options.densities, chunk_bytes=plan.options.chunk_bytes,
-                                            microbatch=plan.options.microbatch, update=plan.options.update)
+                                            microbatch=plan.options.microbatch, update=plan.options.update,
+                                            spans=plan.options.spans)
         self.optimized = plan if hasattr(plan, "decisions") else None
         self._build()
 

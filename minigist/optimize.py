@@ -60,7 +60,7 @@ from .passes import gist as gist_pass
 from .passes.gist import dpr_applies
 from .passes.microbatch import front_candidates
 from .pipeline import Options, compile
-from .program import INPUT, STASH, WEIGHT_GRAD_BLOCK_BYTES
+from .program import INPUT, STASH, WEIGHT_GRAD_BLOCK_BYTES, stash_key
 
 KEEP = "fp32"
 # recomputed (Options.recompute), shared (also in Options.recompute_shared: a segment that rebuilds
@@ -142,7 +142,8 @@ class RecordedPlan(Settings):
                                          recompute_shared=tuple(record["recompute_shared"]),
                                          chunk_bytes=record["chunk_bytes"],
                                          microbatch=tuple(record["microbatch"] or ()) if "microbatch" in record
-                                         else options.microbatch, update=record.get("update", options.update)))
+                                         else options.microbatch, update=record.get("update", options.update),
+                                         spans=tuple(tuple(span) for span in record.get("spans", options.spans))))
         self.record = dict(record)
         self.decisions = list(record.get("decisions", []))
 
@@ -182,6 +183,7 @@ class OptimizedPlan:
                 "overrides": dict(self.options.overrides), "recompute": list(self.options.recompute),
                 "recompute_shared": list(self.options.recompute_shared), "chunk_bytes": self.options.chunk_bytes,
                 "microbatch": list(self.options.microbatch) or None, "update": self.options.update,
+                "spans": [list(span) for span in self.options.spans],
                 "decisions": [d.to_json() for d in self.decisions]}
 
 
@@ -233,6 +235,7 @@ class _Stash:
     chain_seconds: float = 0.0
     chain_bytes: int = 0      # maps a replay rebuilds on the way (its own, freed when done)
     in_place: bool = False    # not kept in fp32, its bytes go to its last forward reader's output
+    micro: bool = False       # a micro-batch's part of a span's stash (passes/microbatch.py): never recomputed
 
 
 def _positions(program, base_labels):
@@ -279,9 +282,9 @@ def lossy_overrides(graph, program, lossless, dpr):
             continue
         encoding = lossless.encodings.get(name)
         if encoding is not None and encoding.name == "ssdc":
-            overrides[tensor] = f"ssdc-{dpr}"
+            overrides[stash_key(buffer)] = f"ssdc-{dpr}"
         elif dpr_applies(buffer, graph.batch_size):
-            overrides[tensor] = dpr
+            overrides[stash_key(buffer)] = dpr
     return overrides
 
 
@@ -331,7 +334,7 @@ class Optimizer:
         self.baseline_footprint = reference.baseline_footprint if reference else self._needed(self.base)
         self.baseline_seconds = reference.baseline_seconds if reference else self.base_seconds
         compared = (compared_with or options).replace(gist="none", overrides=(), recompute=(), recompute_shared=(),
-                                                      budget=None, microbatch=())
+                                                      budget=None, microbatch=(), spans=())
         if reference is None and compared != self.options.replace(gist="none"):
             # compared with `none` as it is: its front not micro-batched, its update as asked
             whole = compile(model, compared)
@@ -353,7 +356,8 @@ class Optimizer:
                 self._add_codec_options(compile(model, self.options.replace(overrides=overrides)), lossy=True,
                                         overrides=overrides)
         for stash in self.stashes.values():
-            self._add_recompute_option(stash)
+            if not stash.micro:     # a span's stash is in no segment: its span runs once
+                self._add_recompute_option(stash)
         self._drop_idle_private()
         self.chain = None
         # what the last peak-minimizing solve proved of the modelled peak (bytes; 0: nothing)
@@ -388,10 +392,11 @@ class Optimizer:
             backward = [i for i in uses if i >= self.first_backward]
             if not forward or not backward:
                 continue
-            stash = _Stash(buffer.tensor, buffer.layer, align(buffer.nbytes), buffer.nbytes, buffer.first_use,
-                           max(forward), min(backward), max(backward))
+            key = stash_key(buffer)
+            stash = _Stash(key, buffer.layer, align(buffer.nbytes), buffer.nbytes, buffer.first_use,
+                           max(forward), min(backward), max(backward), micro=bool(buffer.micro))
             stash.options.append(_Option(KEEP, KEEP, False, [], 0.0))
-            stashes[buffer.tensor] = stash
+            stashes[key] = stash
         return stashes
 
     def _freed(self, stash):
@@ -415,7 +420,7 @@ class Optimizer:
                 continue
             tensor = buffer.tensor
             for other in program.buffers.values():
-                if other.tensor in (tensor, f"{tensor}.encode", f"{tensor}.decode"):
+                if other.tensor in (tensor, f"{tensor}.encode", f"{tensor}.decode") and other.micro == buffer.micro:
                     delta[positions[other.first_use]:positions[other.last_use] + 1] += align(other.nbytes)
             kept = base.buffers[name]
             delta[kept.first_use:kept.last_use + 1] -= align(kept.nbytes)
@@ -430,7 +435,7 @@ class Optimizer:
         for group in plan.groups:
             for name in group.members:
                 buffer = program.buffers[name]
-                stash = self.stashes.get(buffer.tensor) if buffer.kind == "blob" else None
+                stash = self.stashes.get(stash_key(buffer)) if buffer.kind == "blob" else None
                 if stash is not None and name in program.encodings and any(
                         program.buffers[other].first_use == buffer.last_use for other in group.members if other != name):
                     stash.in_place = True
@@ -443,9 +448,10 @@ class Optimizer:
         owned = {}          # tensor -> [buffer names]
         for name, buffer in program.buffers.items():
             if buffer.kind in ("enc", "dec"):
-                owned.setdefault(buffer.tensor, []).append(name)
+                owned.setdefault(stash_key(buffer), []).append(name)
             elif buffer.kind == "ws" and buffer.tensor.endswith((".encode", ".decode")):
-                owned.setdefault(buffer.tensor.rsplit(".", 1)[0], []).append(name)
+                tensor = buffer.tensor.rsplit(".", 1)[0]
+                owned.setdefault(f"{tensor}#{buffer.micro}" if buffer.micro else tensor, []).append(name)
         reverse = {n: t for t, names in owned.items() for n in names}
         seconds, workspace = {}, {}
         base = self.base.program
@@ -460,8 +466,8 @@ class Optimizer:
             readers = {reverse[n] for n in step.buffer_names() if n in reverse}
             if step.kind == "backward" and step.label == base.steps[at].label:
                 # a reader whose code another layer's step decodes (a ReLU's mask in its pool's codes)
-                readers |= {base.buffers[n].tensor for n in base.steps[at].buffer_names(("x", "y"))
-                            if n is not None and n in program.encodings and base.buffers[n].tensor in self.stashes}
+                readers |= {stash_key(base.buffers[n]) for n in base.steps[at].buffer_names(("x", "y"))
+                            if n is not None and n in program.encodings and stash_key(base.buffers[n]) in self.stashes}
             if not readers:
                 continue
             delta = cost - self.step_cost[at]
@@ -1112,7 +1118,7 @@ class Optimizer:
             named = {}
             for name in set(step.buffer_names()):
                 buffer = program.buffers[name]
-                if not buffer.persistent and (buffer.category != STASH or buffer.tensor in self.stashes):
+                if not buffer.persistent and (buffer.category != STASH or stash_key(buffer) in self.stashes):
                     named.setdefault(group_of[name], []).append(buffer)
             for g in inputs - set(named):
                 if plan.groups[g].first_use <= index <= plan.groups[g].last_use:
@@ -1121,7 +1127,7 @@ class Optimizer:
                 group = plan.groups[g]
                 held, category, last = 0, None, group.last_use
                 for buffer in buffers:      # in place: the members share the group's bytes
-                    stash = self.stashes.get(buffer.tensor) if buffer.kind == "blob" else None
+                    stash = self.stashes.get(stash_key(buffer)) if buffer.kind == "blob" else None
                     if stash is None:
                         nbytes = align(group.nbytes)
                     elif index <= stash.last_forward:
@@ -1159,8 +1165,8 @@ class Optimizer:
         from scipy.optimize import linprog
         program, plan = self.base.program, self.base.plan
         stash_groups = [g for g in plan.groups if any(
-            program.buffers[m].category == STASH or (program.buffers[m].kind == "blob" and program.buffers[m].tensor in
-                                                     self.stashes) for m in g.members)]
+            program.buffers[m].category == STASH or (program.buffers[m].kind == "blob" and stash_key(program.buffers[m])
+                                                     in self.stashes) for m in g.members)]
         worst = 0.0
         for index in range(self.first_backward, self.steps):
             fixed = self.base_live[index] - sum(align(g.nbytes) for g in stash_groups

@@ -25,7 +25,7 @@ from .memory.report import footprint_report
 from .passes.backward import build_program
 from .passes.gist import apply_gist
 from .passes.inplace import mark_inplace
-from .passes.microbatch import apply_microbatch, check_samples
+from .passes.microbatch import apply_microbatch, apply_span, check_samples
 from .passes.recompute import apply_recompute
 from .passes.reduce import DEFAULT_BUCKET_BYTES, SHARDS, apply_reduce
 from .program import WEIGHT_GRAD_BLOCK_BYTES
@@ -50,7 +50,9 @@ class Options:
     and rebuilt before their backward use (passes/recompute.py); recompute_shared: those of
     them whose copy is kept once a replay for another tensor rebuilds it; microbatch: (blob,
     samples), the front of the net through that blob run that many samples at a time
-    (passes/microbatch.py), or (); ranks, shard, bucket_bytes:
+    (passes/microbatch.py), or (); spans: ((start, through, samples), ...), each span of
+    layers after blob `start` through blob `through` run that many samples at a time, its
+    stashes kept a micro-batch at a time (passes/microbatch.py); ranks, shard, bucket_bytes:
     the program of one of `ranks` data-parallel ranks (passes/reduce.py), `batch_size` then
     being each rank's share of the global batch; chunk_bytes: the batch-chunk target of every
     layer that works in chunks (None: each layer's own; smaller chunks shrink the workspace,
@@ -78,6 +80,7 @@ class Options:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     chunk_bytes: int = None
     microbatch: tuple = field(default=())
+    spans: tuple = field(default=())
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -95,6 +98,14 @@ class Options:
                            or isinstance(microbatch[1], bool) or not isinstance(microbatch[1], (int, np.integer))):
             raise MinigistError(f"--microbatch: expected BLOB:SAMPLES, got {self.microbatch!r}")
         object.__setattr__(self, "microbatch", (microbatch[0], int(microbatch[1])) if microbatch else ())
+        spans = []
+        for span in self.spans or ():
+            span = tuple(span)
+            if len(span) != 3 or not all(isinstance(blob, str) for blob in span[:2]) or isinstance(span[2], bool) \
+                    or not isinstance(span[2], (int, np.integer)):
+                raise MinigistError(f"--microbatch-span: expected START:THROUGH:SAMPLES, got {span!r}")
+            spans.append((span[0], span[1], int(span[2])))
+        object.__setattr__(self, "spans", tuple(spans))
         if self.alloc not in MODES:
             raise MinigistError(f"--alloc: expected one of {', '.join(MODES)}, got {self.alloc!r}")
         if self.update not in UPDATES:
@@ -159,24 +170,27 @@ def set_chunks(graph, options):
 
 
 def microbatch_clones(model, options, graph, conv, phase="TRAIN"):
-    """The graph the micro-batched front of `graph` (of `phase`, built for engine `conv`) runs
-    in: the model set up for a batch of `options.microbatch`'s samples (the pass gives its front
-    the whole batch's chunks); None without one, and for an evaluation batch the micro-batch
-    does not divide (it then runs whole)."""
-    if not options.microbatch:
-        return None
-    samples = options.microbatch[1]
-    if phase != "TRAIN" and (samples >= graph.batch_size or graph.batch_size % samples):
-        return None
-    check_samples(samples, graph.batch_size)
-    return build_graph(model, phase, samples, options.input_size, options.dtype, add_loss=options.add_loss,
-                       input_channels=options.input_channels, conv=conv)
+    """{samples: the graph a micro-batch of that many samples runs in} for the micro-batched
+    front and spans of `graph` (of `phase`, built for engine `conv`): the model set up for a
+    batch of `samples` (the passes give their layers the whole batch's chunks). An evaluation
+    batch that a micro-batch does not divide runs whole: no graph for it."""
+    wanted = [("--microbatch", options.microbatch[1])] if options.microbatch else []
+    wanted += [("--microbatch-span", span[2]) for span in options.spans]
+    clones = {}
+    for flag, samples in wanted:
+        if samples in clones or (phase != "TRAIN" and (samples >= graph.batch_size or graph.batch_size % samples)):
+            continue
+        check_samples(samples, graph.batch_size, flag)
+        clones[samples] = build_graph(model, phase, samples, options.input_size, options.dtype,
+                                      add_loss=options.add_loss, input_channels=options.input_channels, conv=conv)
+    return clones
 
 
 def run_passes(graph, options, phase="TRAIN", calibrating=False, clones=None):
     """The passes in order: the backward program (an inference program for TEST), the
     recomputation of `options.recompute` (training only), the micro-batched front of
-    `options.microbatch` (run in `clones`, microbatch_clones' graph), and Gist's schedule
+    `options.microbatch` and the spans of `options.spans` (run in `clones`, microbatch_clones'
+    graphs by samples), and Gist's schedule
     (training only; after both, so that Gist encodes nothing that is recomputed; `calibrating` plans every SSDC candidate at
     full capacity so that a run can measure its density), the in-place pairs, then the
     reduction across `options.ranks` ranks (last: it adds steps around the others' and storage
@@ -189,10 +203,16 @@ def run_passes(graph, options, phase="TRAIN", calibrating=False, clones=None):
                             block_bytes=WEIGHT_GRAD_BLOCK_BYTES if blocked else None)
     if train:
         program = apply_recompute(program, options.recompute, options.recompute_shared)
-    if options.microbatch and options.ranks > 1:
-        raise MinigistError("--microbatch: not across ranks (the reduction sums whole gradients)")
-    if clones is not None:
-        program = apply_microbatch(program, options.microbatch[0], options.microbatch[1], clones)
+    if (options.microbatch or options.spans) and options.ranks > 1:
+        flag = "--microbatch" if options.microbatch else "--microbatch-span"
+        raise MinigistError(f"{flag}: not across ranks (the reduction sums whole gradients)")
+    clones = clones or {}
+    if options.microbatch and options.microbatch[1] in clones:
+        program = apply_microbatch(program, options.microbatch[0], options.microbatch[1],
+                                   clones[options.microbatch[1]])
+    for start, through, samples in options.spans:
+        if samples in clones:
+            program = apply_span(program, start, through, samples, clones[samples])
     if train:
         program = apply_gist(program, options.gist_config(), calibrating)
     program = mark_inplace(program)

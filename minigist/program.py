@@ -46,6 +46,7 @@ class Buffer:
     kind: str = ""            # the typed id: what it holds (see the module docstring) ...
     tensor: str = ""          # ... of which tensor ...
     part: str = ""            # ... which part (a saved tensor's, a workspace's, a code's name)
+    micro: str = ""           # the micro-batch whose rows it holds alone (passes/microbatch.py); "" for the batch
 
     @property
     def nbytes(self):
@@ -56,6 +57,13 @@ class Buffer:
         if self.pinned is not None:
             return self.pinned
         return self.category in PERSISTENT_CATEGORIES
+
+
+def stash_key(buffer):
+    """The name a stashed buffer is chosen by (Gist's overrides, the optimizer's decisions): its
+    tensor, and for a micro-batch's part of one (passes/microbatch.py: a span's stashes) the
+    micro-batch too."""
+    return f"{buffer.tensor}#{buffer.micro}" if buffer.micro else buffer.tensor
 
 
 def names_in(value):

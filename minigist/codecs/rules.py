@@ -65,7 +65,7 @@ def register_codec(producer_type, consumer_type, factory):
     def rule(site):
         if site.producer.type != producer_type:
             return None
-        if any(r.type == consumer_type for r in site.readers if r is not site.producer):
+        if any(r.type == consumer_type for r in site.readers if r.name != site.producer.name):
             return Choice(factory(site.buffer.shape, site.buffer.dtype))
         return None
     _USER_PAIRS[key] = rule
@@ -112,7 +112,7 @@ def binarize(site):
     from .fused import FusedReluPool
     layer, config = site.producer, site.config
     if not (config.lossless and site.buffer.kind == "blob" and layer.mask_backward
-            and all(r is layer for r in site.readers)):
+            and all(r.name == layer.name for r in site.readers)):
         return None
     consumers = site.consumers
     positions = [c.argmax_positions() for c in consumers]

@@ -46,7 +46,9 @@ def stash_rows(plan):
         encoding = program.encodings.get(name)
         if encoding is None and (buffer.category != STASH or buffer.kind == "dec"):
             continue
-        row = {"layer": buffer.layer, "tensor": buffer.tensor, "shape": list(buffer.shape),
+        # a micro-batch's part of a tensor (passes/microbatch.py: a span's stashes) is a row of its own
+        tensor = f"{buffer.tensor}#{buffer.micro}" if buffer.micro else buffer.tensor
+        row = {"layer": buffer.layer, "tensor": tensor, "shape": list(buffer.shape),
                "encoding": "fp32" if buffer.dtype == np.float32 else str(buffer.dtype),
                "raw_bytes": buffer.nbytes, "stored_bytes": align(buffer.nbytes, plan.alignment),
                "first_use": buffer.first_use, "last_use": buffer.last_use}

@@ -49,8 +49,8 @@ from ..codecs.bits import BitMask, PackedCodes
 from ..codecs.dpr import DPR, HalfStash
 from ..codecs.segmented import PerSample
 from ..codecs.ssdc import SSDC
-from ..program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in
-from .gist_steps import (Decode, Encode, IdentityBackward, MaskBackward, StreamedBackward, StreamedReplay,
+from ..program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in, stash_key
+from .gist_steps import (Decode, DecodeRows, Encode, IdentityBackward, MaskBackward, StreamedBackward, StreamedReplay,
                          WriteCodes)
 
 # a stash smaller than this is decoded whole, once, before its first backward reader: each
@@ -66,10 +66,15 @@ DPR_MIN_BYTES = 4096
 
 
 def dpr_applies(buffer, batch_size):
-    """Whether DPR may keep `buffer`: a float32 map of the batch (a batch axis first), of at
-    least DPR_MIN_BYTES."""
+    """Whether DPR may keep `buffer`: a float32 map of the batch or of a micro-batch's rows of
+    it (a batch axis first), of at least DPR_MIN_BYTES."""
     return (buffer.dtype == np.float32 and buffer.nbytes >= DPR_MIN_BYTES and len(buffer.shape) >= 2
-            and buffer.shape[0] == batch_size)
+            and (buffer.shape[0] == batch_size or bool(buffer.micro)))
+
+
+def _of_micro(name, micro):
+    """The name of buffer `name`'s micro-batch `micro` (passes/microbatch.py): itself for the batch."""
+    return f"{name}#{micro}" if micro else name
 
 
 @dataclass
@@ -119,12 +124,13 @@ class _Builder:
             for role in ("x", "y", "saved"):
                 for name in names_in(step.args.get(role)):
                     readers.setdefault(name, []).append(index)
-        self.saved = {(b.layer, b.part): b.name for b in program.buffers.values() if b.kind == "saved"}
+        self.saved = {(b.layer, b.part, b.micro): b.name for b in program.buffers.values() if b.kind == "saved"}
         self.choices = {}     # buffer -> rules.Choice
         self.identity_relus = set()   # backward step indices turned into copies
         self.mask_relus = {}          # backward step index -> stashed buffer read as a mask
         self.sparse_memo = {}
         self.streams = {}             # backward or replay step index -> {slice buffer: stream details}
+        self.row_decoded = {}         # a micro-batch's backward step index -> its own decoded rows
 
     # ---- choosing ---------------------------------------------------------------------
     def producer(self, buffer):
@@ -184,7 +190,8 @@ class _Builder:
                 continue
             node = self.producer(buffer)
             layer = node.layer
-            override = config.overrides.get(buffer.tensor, config.overrides.get(layer.name))
+            override = config.overrides.get(stash_key(buffer), config.overrides.get(buffer.tensor,
+                                                                                config.overrides.get(layer.name)))
             if override is not None:
                 self.choices[buffer.name] = rules.Choice(self.by_name(override, buffer))
                 continue
@@ -208,8 +215,14 @@ class _Builder:
             readers=[self.steps[i].layer for i in self.readers[buffer.name] + self.replay_readers.get(buffer.name, [])],
             consumers=consumers, config=self.config, sparse=sparse, dpr_applies=self.dpr_applies(buffer),
             ssdc=self.ssdc_codec(buffer) if sparse else None,
-            saved_of=lambda layer, part: self.saved.get((layer.name, part)),
-            top_of=lambda layer: f"blob:{self.graph.node_of(layer.name).tops[0]}")
+            saved_of=lambda layer, part: self.saved.get((layer.name, part, buffer.micro)),
+            top_of=lambda layer: self.buffer_of_micro(f"blob:{self.graph.node_of(layer.name).tops[0]}", buffer.micro))
+
+    def buffer_of_micro(self, name, micro):
+        """Buffer `name`'s part of micro-batch `micro`, or `name` itself where the micro-batches
+        share it whole (a span's last top, written a micro-batch's rows at a time)."""
+        local = _of_micro(name, micro)
+        return local if local in self.program.buffers else name
 
     # ---- rewriting --------------------------------------------------------------------
     def build(self):
@@ -238,24 +251,31 @@ class _Builder:
             runs = self.replay_runs(name)
             run_chunks = {run: 0 if direct else self.replay_stream_chunk(name, codec, indices)
                           for run, indices in runs.items()}
-            if chunk or any(run_chunks.values()):
+            # readers that each take a micro-batch's rows (a span's first layer reading its input)
+            ranges = {} if direct or chunk else self.read_by_rows(name, codec)
+            if chunk or ranges or any(run_chunks.values()):
                 codec = self.per_sample(buffer, codec)
             if direct:
                 codec = HalfStash()
             encoded = {}
+            micro = buffer.micro
             for part, decl in codec.encoded(buffer.shape).items():
-                enc_name = f"enc:{tensor}.{part}"
+                enc_name = _of_micro(f"enc:{tensor}.{part}", micro)
                 buffers[enc_name] = Buffer(enc_name, tuple(decl.shape), np.dtype(decl.dtype), ENCODED, buffer.layer,
-                                           kind="enc", tensor=tensor, part=part)
+                                           kind="enc", tensor=tensor, part=part, micro=micro)
                 encoded[part] = enc_name
             if direct and self.producer_writes_codes(written, name):
                 written_by_producer[written] = (codec, encoded)
             else:
-                encode_ws = _workspace(buffers, codec.workspace(buffer.shape, "encode"), f"{tensor}.encode", buffer.layer)
+                encode_ws = _workspace(buffers, codec.workspace(buffer.shape, "encode"), f"{tensor}.encode", buffer.layer,
+                                       micro)
                 inputs = [name] + list(choice.inputs)
-                encodes.setdefault(written, []).append(Step(
-                    "encode", None, {"x": inputs, "enc": encoded, "ws": encode_ws}, op=Encode(codec, tensor),
-                    note=tensor))
+                args = {"x": inputs, "enc": encoded, "ws": encode_ws}
+                producer = self.steps[written].args
+                rows = [n for n in inputs if n in producer.get("whole", ())]
+                if micro and rows:  # a micro-batch's code of a whole tensor's rows (a span's last pool's top)
+                    args.update(samples=producer["samples"], whole=rows)
+                encodes.setdefault(written, []).append(Step("encode", None, args, op=Encode(codec, tensor), note=tensor))
             whole = not direct and not chunk
             first = min(readers)
             for run, indices in runs.items():
@@ -285,11 +305,30 @@ class _Builder:
                     renames.setdefault(index, {})[name] = encoded["codes"]
                 encodings[name] = Encoding(name, codec, codec.name, list(encoded.values()), "")
                 continue
-            decoded = f"dec:{tensor}"
+            if ranges:  # each micro-batch's readers get its rows, decoded into a buffer of their own
+                decode_ws = _workspace(buffers, codec.workspace(buffer.shape, "decode"), f"{tensor}.decode",
+                                       buffer.layer)
+                owns = []
+                for (first, end), indices in ranges.items():
+                    own = f"dec:{tensor}@{first}"
+                    buffers[own] = Buffer(own, (end - first,) + tuple(buffer.shape[1:]),
+                                          np.dtype(codec.decoded_dtype(buffer.dtype)), STASH, buffer.layer, kind="dec",
+                                          tensor=tensor, part=f"samples {first}-{end}")
+                    decodes.setdefault(min(indices), []).append(Step(
+                        "decode", None, {"enc": encoded, "out": own, "ws": decode_ws, "sample_range": (first, end),
+                                         "batch": buffer.shape[0]}, op=DecodeRows(codec, tensor), note=tensor))
+                    for index in indices:
+                        renames.setdefault(index, {})[name] = own
+                        self.row_decoded.setdefault(index, set()).add(own)
+                    owns.append(own)
+                encodings[name] = Encoding(name, codec, codec.name, list(encoded.values()), owns[0])
+                continue
+            decoded = _of_micro(f"dec:{tensor}", micro)
             decoded_shape = (chunk,) + tuple(buffer.shape[1:]) if chunk else buffer.shape
             buffers[decoded] = Buffer(decoded, decoded_shape, np.dtype(codec.decoded_dtype(buffer.dtype)),
-                                      STASH, buffer.layer, kind="dec", tensor=tensor)
-            decode_ws = _workspace(buffers, codec.workspace(buffer.shape, "decode"), f"{tensor}.decode", buffer.layer)
+                                      STASH, buffer.layer, kind="dec", tensor=tensor, micro=micro)
+            decode_ws = _workspace(buffers, codec.workspace(buffer.shape, "decode"), f"{tensor}.decode", buffer.layer,
+                                   micro)
             if chunk:   # no decode step: each reader decodes the slices it needs, in turn
                 for index in readers:
                     self.streams.setdefault(index, {})[decoded] = (codec, tensor, encoded, decode_ws)
@@ -327,6 +366,8 @@ class _Builder:
             args["stream"] = _stream_args(streams)
             return Step(step.kind, step.layer, args, op=StreamedReplay(dict(streams)), note=step.note)
         args = {role: _rename(value, renames) for role, value in step.args.items()}
+        if index in self.row_decoded:   # its rows decoded on their own: not cut from a whole tensor
+            args["whole"] = [n for n in args["whole"] if n not in self.row_decoded[index]]
         op = None
         if index in self.identity_relus:
             op = IdentityBackward()
@@ -386,6 +427,8 @@ class _Builder:
         else 0."""
         if not self.streamable(name, codec):
             return 0
+        if any("samples" in self.steps[index].args for index in self.readers[name]):
+            return 0    # a micro-batch's reader takes rows of the whole decoded copy (passes/microbatch.py)
         chunk = 1
         for index in self.readers[name]:
             step = self.steps[index]
@@ -401,6 +444,21 @@ class _Builder:
         # a reader that takes the whole batch at once would decode it whole on every read:
         # one decode step before the first reader costs the same memory and decodes once
         return chunk if chunk < self.graph.batch_size else 0
+
+    def read_by_rows(self, name, codec):
+        """{(first, end): the backward steps that read rows first:end of the stash `name`} where
+        every backward reader is a micro-batch's (passes/microbatch.py: a span's first layers
+        read its input a micro-batch at a time) and no replay reads it, for a codec of values
+        (SSDC, DPR): each micro-batch then decodes its own rows, not the whole tensor; else {}."""
+        if not self.streamable(name, codec) or self.replay_readers.get(name):
+            return {}
+        ranges = {}
+        for index in self.readers[name]:
+            samples = self.steps[index].args.get("samples")
+            if samples is None or name not in self.steps[index].args.get("whole", ()):
+                return {}
+            ranges.setdefault(tuple(samples), []).append(index)
+        return ranges
 
     def streamable(self, name, codec):
         """Whether the stash `name` in `codec` may be read a slice at a time at all."""
@@ -457,7 +515,7 @@ def _rename(value, renames):
 
 def _copy(buffer):
     return Buffer(buffer.name, buffer.shape, buffer.dtype, buffer.category, buffer.layer, pinned=buffer.pinned,
-                  kind=buffer.kind, tensor=buffer.tensor, part=buffer.part)
+                  kind=buffer.kind, tensor=buffer.tensor, part=buffer.part, micro=buffer.micro)
 
 
 def sliceable(buffer, batch_size):
@@ -492,12 +550,12 @@ def _stream_args(streams):
             for role, names in (("enc", encoded), ("ws", ws)) for part, buffer in names.items()}
 
 
-def _workspace(buffers, decls, prefix, layer):
+def _workspace(buffers, decls, prefix, layer, micro=""):
     names = {}
     for part, decl in decls.items():
-        name = f"ws:{prefix}.{part}"
+        name = _of_micro(f"ws:{prefix}.{part}", micro)
         buffers[name] = Buffer(name, tuple(decl.shape), np.dtype(decl.dtype), WORKSPACE, layer,
-                               kind="ws", tensor=prefix, part=part)
+                               kind="ws", tensor=prefix, part=part, micro=micro)
         names[part] = name
     return names
 

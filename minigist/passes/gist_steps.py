@@ -169,6 +169,24 @@ class Decode(_CodecStep):
         return decode
 
 
+class DecodeRows(_CodecStep):
+    """The decode of one micro-batch's rows (args "sample_range": (first, end)) of a stash
+    encoded per sample, into a buffer of those rows alone."""
+
+    def run(self, xp, stats, enc, ws, step, arrays):
+        codec, tensor = self.codec, self.tensor
+        out = arrays[step.args["out"]]
+        first, end = step.args["sample_range"]
+
+        def decode():
+            kept = stats.fallback_for(tensor)
+            if kept is not None:
+                xp.copyto(out, kept[first:end])
+            else:
+                codec.decode_slice(xp, enc, first, end, out, ws)
+        return decode
+
+
 class StreamedReplay:
     """A replay (passes/recompute.py) whose first input in `streams` ({slice buffer: (codec,
     tensor, enc, ws)}) is encoded per sample: the layer's forward reads it through a

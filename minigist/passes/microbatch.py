@@ -26,6 +26,13 @@ will do there), so the forward writes the same bits, the backward the same gradi
 Costs: the front's forward runs twice, and the convolutions' bias gradients are summed a
 sample at a time.
 
+A span (apply_span) is the same loop over a cut of the net past the front, from blob `start`
+(exclusive) through `through`, with no replay: its forward runs a micro-batch at a time as the
+front's does, each micro-batch's stashes stay buffers of that micro-batch (category stash, their
+`micro` tag naming it) until its backward. The backward
+runs a micro-batch at a time where the span's backward starts, each reading the stashes its own
+forward kept and rows of `through`'s gradient, and writing rows of `start`'s gradient.
+
 Order: after recomputation, which may not touch the front (its tensors are rebuilt here), and
 before Gist, which then sees only `through` of the front, written by several steps, and
 encodes it after the last.
@@ -42,11 +49,12 @@ from .recompute import Replay
 _BATCH_ROLES = ("x", "y", "gy", "gx")
 
 
-def check_samples(samples, batch):
-    """A one-line MinigistError unless a micro-batch of `samples` divides `batch` and is smaller."""
+def check_samples(samples, batch, flag="--microbatch"):
+    """A one-line MinigistError (naming `flag`) unless a micro-batch of `samples` divides
+    `batch` and is smaller."""
     if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 < samples < batch \
             or batch % samples:
-        raise MinigistError(f"--microbatch: a micro-batch of {samples!r} samples must divide the batch "
+        raise MinigistError(f"{flag}: a micro-batch of {samples!r} samples must divide the batch "
                             f"of {batch} and be smaller")
 
 
@@ -66,17 +74,7 @@ def check_front(program, through, samples):
     for i in front:
         node = graph.nodes[i]
         layer = node.layer
-        if layer.type == "Convolution" and layer.engine != "im2col":
-            raise MinigistError(f"--microbatch: '{layer.name}' runs on the {layer.engine} engine, which does not "
-                                f"add a weight gradient into one a chunk at a time; use --conv im2col")
-        if not layer.microbatchable:
-            raise MinigistError(f"--microbatch: '{layer.name}' ({layer.type}) cannot run a micro-batch at a "
-                                f"time; the front through '{through}' must hold only convolutions (im2col), "
-                                f"ReLU, pooling and LRN")
-        chunk = layer.conv_engine().sum_grain() if layer.type == "Convolution" else 1
-        if samples % chunk:
-            raise MinigistError(f"--microbatch: {samples} samples are no whole number of the batch chunks of "
-                                f"'{layer.name}' ({chunk} samples each)")
+        _check_microbatchable(layer, samples, "--microbatch", f"the front through '{through}'")
         for top in node.tops:
             outside = [graph.nodes[c].layer.name for c, _ in graph.blobs[top].consumers if c not in inside]
             if top != through and outside:
@@ -122,17 +120,83 @@ def apply_microbatch(program, through, samples, clones):
     """The program with the front through blob `through` run `samples` samples at a time (see
     the module docstring); `program` itself is left unchanged. A one-line MinigistError
     (naming --microbatch) when it cannot be."""
-    return _Builder(program, through, samples, clones).build()
+    return _Builder(program, through, samples, clones, check_front(program, through, samples)).build()
+
+
+def check_span(program, start, through, samples):
+    """The graph indices of the span after blob `start` through blob `through` (the layers
+    after `start`'s producer up to `through`'s) when `program` (before Gist, after the front's
+    pass) may run it `samples` samples at a time keeping its stashes; a one-line MinigistError
+    naming --microbatch-span when it may not. The span is a cut of the net: it reads `start`
+    alone of what comes before it (and `start` is read by nothing else), and nothing after it
+    reads any of its tops but `through`."""
+    graph = program.graph
+    flag = "--microbatch-span"
+    for blob in (start, through):
+        if blob not in graph.blobs:
+            raise MinigistError(f"{flag}: '{blob}' is no top of this net")
+    first, last = graph.blobs[start].producer, graph.blobs[through].producer
+    if last <= first:
+        raise MinigistError(f"{flag}: '{through}' is not made after '{start}'")
+    span = [i for i in range(first + 1, last + 1) if not graph.nodes[i].layer.is_data]
+    check_samples(samples, graph.batch_size, flag)
+    inside = set(span)
+    tops = {t for i in span for t in graph.nodes[i].tops}
+    outside = [graph.nodes[c].layer.name for c, _ in graph.blobs[start].consumers if c not in inside]
+    if outside:
+        raise MinigistError(f"{flag}: '{start}' is read outside the span (by '{outside[0]}')")
+    for i in span:
+        node = graph.nodes[i]
+        layer = node.layer
+        _check_microbatchable(layer, samples, flag, f"the span after '{start}' through '{through}'")
+        for bottom in node.bottoms:
+            if bottom != start and bottom not in tops:
+                raise MinigistError(f"{flag}: '{layer.name}' reads '{bottom}', which the span after '{start}' "
+                                    f"does not make")
+        for top in node.tops:
+            outside = [graph.nodes[c].layer.name for c, _ in graph.blobs[top].consumers if c not in inside]
+            if top != through and outside:
+                raise MinigistError(f"{flag}: '{top}' is read past the span through '{through}' (by '{outside[0]}')")
+    names = {graph.nodes[i].layer.name for i in span}
+    if any(s.layer is not None and s.layer.name in names and ("samples" in s.args or s.kind == "recompute")
+           for s in program.steps) or any(f"blob:{top}" in program.encodings for top in tops):
+        raise MinigistError(f"{flag}: the span after '{start}' overlaps the front or a recomputation")
+    return span
+
+
+def _check_microbatchable(layer, samples, flag, what):
+    """A one-line MinigistError unless `layer` may run `samples` samples at a time as the
+    whole batch would, bit for bit."""
+    if layer.type == "Convolution" and layer.engine != "im2col":
+        raise MinigistError(f"{flag}: '{layer.name}' runs on the {layer.engine} engine, which does not "
+                            f"add a weight gradient into one a chunk at a time; use --conv im2col")
+    if not layer.microbatchable:
+        raise MinigistError(f"{flag}: '{layer.name}' ({layer.type}) cannot run a micro-batch at a "
+                            f"time; {what} must hold only convolutions (im2col), ReLU, pooling and LRN")
+    chunk = layer.conv_engine().sum_grain() if layer.type == "Convolution" else 1
+    if samples % chunk:
+        raise MinigistError(f"{flag}: {samples} samples are no whole number of the batch chunks of "
+                            f"'{layer.name}' ({chunk} samples each)")
+
+
+def apply_span(program, start, through, samples, clones):
+    """The program with the span after blob `start` through blob `through` run `samples`
+    samples at a time in the forward and the backward pass, its stashes kept a micro-batch at a
+    time (no replay: see the module docstring); `program` itself is left unchanged. A one-line
+    MinigistError (naming --microbatch-span) when it cannot be."""
+    span = check_span(program, start, through, samples)
+    return _Builder(program, through, samples, clones, span, keep=True).build()
 
 
 class _Builder:
-    def __init__(self, program, through, samples, clones):
+    def __init__(self, program, through, samples, clones, front, keep=False):
         self.program = program
         self.graph = graph = program.graph
         self.clones = {layer.name: layer for layer in clones.layers}
         self.samples = samples
+        self.keep = keep
         self.through = f"blob:{through}"
-        self.front = check_front(program, through, samples)
+        self.front = front
         self.names = {graph.nodes[i].layer.name for i in self.front}
         self.batch = graph.batch_size
         tops = {t for i in self.front for t in graph.nodes[i].tops} - {through}
@@ -149,15 +213,17 @@ class _Builder:
     def local(self, name, tag):
         """The buffer of micro-batch `tag` standing for front tensor `name`: a blob, a saved
         tensor or a gradient of `samples` rows."""
-        if name is None or not (name in self.internal or (name == self.through and tag[0] == "r")):
+        replayed = name == self.through and tag[0] == "r"      # the front's replays rebuild it
+        if name is None or not (name in self.internal or replayed):
             return name
         local = f"{name}#{tag}"
         if local not in self.buffers:
             original = self.program.buffers[name]
             shape = (self.samples,) + tuple(original.shape[1:])
-            category = GRADIENT if original.category == GRADIENT else FEATURE
+            # a span keeps each micro-batch's stashes for its backward; the front rebuilds them
+            category = original.category if self.keep or original.category == GRADIENT else FEATURE
             self.buffers[local] = Buffer(local, shape, original.dtype, category, original.layer,
-                                         kind=original.kind, tensor=original.tensor, part=tag)
+                                         kind=original.kind, tensor=original.tensor, part=original.part, micro=tag)
         return local
 
     def workspace(self, clone, phase, tag, gx_needed=None):
@@ -167,7 +233,7 @@ class _Builder:
             tensor = f"{clone.name}.{phase}.{part}"
             name = f"ws:{tensor}#{tag}"
             self.buffers[name] = Buffer(name, tuple(decl.shape), np.dtype(decl.dtype or clone.dtype), WORKSPACE,
-                                        clone.name, kind="ws", tensor=tensor, part=tag)
+                                        clone.name, kind="ws", tensor=tensor, part=part, micro=tag)
             names[part] = name
         return names
 
@@ -193,7 +259,7 @@ class _Builder:
 
     def forward(self, step, k, replay):
         """The forward step (replay: a recompute step in the backward pass) of micro-batch k."""
-        tag = f"{'r' if replay else 'f'}{k}"
+        tag = f"{'r' if replay else 'm' if self.keep else 'f'}{k}"
         clone = self.clone(step.layer)
         args = {role: self.rename(step.args[role], tag) for role in ("x", "y", "p", "saved")}
         args["ws"] = self.workspace(clone, "forward", tag)
@@ -203,7 +269,7 @@ class _Builder:
         return Step("forward", clone, args)
 
     def backward(self, step, k):
-        tag = f"r{k}"
+        tag = f"{'m' if self.keep else 'r'}{k}"      # a span's backward reads its forward's stashes
         if step.layer is None:      # a zero fill or an accumulation of the front's gradients
             return Step(step.kind, None, self.rename(dict(step.args), tag), op=step.op, note=step.note)
         clone = self.clone(step.layer)
@@ -229,10 +295,12 @@ class _Builder:
     def build(self):
         program, graph = self.program, self.graph
         steps = program.steps
-        forward_steps = [steps[i] for i in self.front]
-        for index, step in zip(self.front, forward_steps):
-            if step.kind != "forward" or step.layer is not graph.nodes[index].layer:
-                raise MinigistError("--microbatch: the program's forward steps are not the graph's")
+        # the graph's layers' forward steps (a front's pass before a span's has moved them)
+        forward_of = {id(s.layer): i for i, s in enumerate(steps) if s.kind == "forward" and "samples" not in s.args}
+        if any(id(graph.nodes[i].layer) not in forward_of for i in self.front):
+            raise MinigistError("--microbatch: the program's forward steps are not the graph's")
+        positions = [forward_of[id(graph.nodes[i].layer)] for i in self.front]
+        forward_steps = [steps[i] for i in positions]
         for index in self.front:
             full = graph.nodes[index].layer
             layer = self.clone(full)
@@ -249,13 +317,14 @@ class _Builder:
                    if (steps[i].layer is not None and steps[i].layer.name in self.names and steps[i].kind == "backward")
                    or (steps[i].kind in ("zero", "accumulate") and any(n in self.internal for n in steps[i].buffer_names()))]
         front_backward = [steps[i] for i in touches]
-        replays = self.needed_replays(forward_steps, front_backward)
+        replays = [] if self.keep else self.needed_replays(forward_steps, front_backward)
         result = []
+        skipped = set(positions) | set(touches[1:])
         for index, step in enumerate(steps):
-            if index == self.front[0]:
+            if index == positions[0]:
                 for k in range(count):
                     result.extend(self.forward(s, k, replay=False) for s in forward_steps)
-            if index in self.front or index in touches[1:]:
+            if index in skipped:
                 continue
             if touches and index == touches[0]:
                 for k in range(count):
@@ -264,7 +333,7 @@ class _Builder:
                 continue
             result.append(step)
         through = self.buffers[self.through]
-        if through.category == STASH and not any(self.through in s.buffer_names() for s in result if s.kind != "forward"):
+        if not self.keep and through.category == STASH and not any(self.through in s.buffer_names() for s in result if s.kind != "forward"):
             through.category = FEATURE      # read by no backward step outside the front
         out = Program(graph, self.buffers, result, program.outputs, program.loss_weights)
         out.encodings = dict(program.encodings)

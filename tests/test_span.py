@@ -1,0 +1,124 @@
+"""Spans (passes/microbatch.py): the layers after one blob through another run a few samples at
+a time in the forward and the backward pass, each micro-batch's stashes kept (encoded by Gist
+or as they are) for its own backward, no replay, bit for bit."""
+import json
+
+import numpy as np
+import pytest
+
+import minigist
+from minigist.checkpoint import check_optimized_plan
+from minigist.errors import MinigistError
+from minigist.optimize import Optimizer, RecordedPlan, Settings
+from minigist.pipeline import Options, compile
+from test_gist import batches, model
+
+VGG = model("vgg_small")
+# one sample per convolution chunk: a micro-batch is then any whole number of them
+BASE = Options(batch_size=8, update="fused", chunk_bytes=1)
+SPAN = ("pool1", "pool2", 2)
+
+
+def train(options, data):
+    net = minigist.Net(VGG, seed=1, plan=Settings(options), solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+    if options.gist != "none":
+        net.calibrate(data[:2])
+    return net, [net.train_step(*batch) for batch in data]
+
+
+def same_training(options, changed, data):
+    reference, expected = train(options, data)
+    net, losses = train(changed, data)
+    assert losses == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+    return net
+
+
+@pytest.mark.parametrize("alloc", ["static", "dynamic"])
+@pytest.mark.parametrize("gist", ["none", "lossless"])
+@pytest.mark.parametrize("spans, front", [((SPAN,), ()), ((("pool2", "pool3", 4),), ("pool1", 2)),
+                                          ((SPAN, ("pool2", "pool3", 1)), ())])
+def test_a_span_trains_bit_identically(alloc, gist, spans, front):
+    options = BASE.replace(alloc=alloc, gist=gist)
+    net = same_training(options, options.replace(spans=spans, microbatch=front), batches(2, batch_size=8))
+    program = net.programs["train"]
+    for start, through, samples in spans:
+        graph = net.train_graph
+        first = graph.nodes[graph.blobs[start].consumers[0][0]].layer.name
+        runs = [s for s in program.steps if s.kind == "forward" and s.layer.name == first]
+        assert [s.args["samples"] for s in runs] == [(k, k + samples) for k in range(0, 8, samples)]
+        backward = [s for s in program.steps if s.kind == "backward" and s.layer.name == first]
+        assert [bool(s.args.get("accumulate")) for s in backward] == [False] + [True] * (8 // samples - 1)
+        # no replay: each micro-batch's backward reads what its forward kept
+        assert not any(s.kind == "recompute" and s.layer.name == first for s in program.steps)
+
+
+def test_each_micro_batch_keeps_its_own_stashes_and_the_plan_is_exact():
+    whole = compile(VGG, BASE)
+    span = compile(VGG, BASE.replace(spans=(("pool2", "pool3", 4),), microbatch=("pool1", 2)))
+    stashes = [b for b in span.program.buffers.values() if b.category == "stash" and b.layer == "relu3_1"]
+    assert sorted((b.name, b.shape[0]) for b in stashes) == [("blob:conv3_1@relu3_1#m0", 4),
+                                                             ("blob:conv3_1@relu3_1#m1", 4)]
+    assert span.program.buffers["blob:pool3"].shape[0] == 8 and not span.program.buffers["blob:pool3"].micro
+    assert (whole.plan.footprint_bytes, span.plan.footprint_bytes) == (24669952, 21264128)
+    net, _ = train(BASE.replace(spans=(("pool2", "pool3", 4),), microbatch=("pool1", 2)), batches(1, batch_size=8))
+    assert net.report()["footprint_bytes"] == span.plan.footprint_bytes
+
+
+def test_the_spans_input_is_decoded_a_micro_batch_at_a_time_bit_for_bit():
+    # at batch 64 pool1 (4 MiB) is large enough to decode in parts: each micro-batch of the
+    # span after it decodes its own rows of pool1's SSDC code
+    options = Options(batch_size=64, update="fused", chunk_bytes=1, gist="lossless")
+    data = batches(2, batch_size=64)
+    net = same_training(options, options.replace(spans=(("pool1", "pool2", 16),)), data)
+    program = net.programs["train"]
+    decodes = [s for s in program.steps if s.kind == "decode" and s.note == "pool1"]
+    assert [s.args["sample_range"] for s in decodes] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert {program.buffers[s.args["out"]].shape[0] for s in decodes} == {16}
+    assert program.encodings["blob:pool1"].name == "ssdc"
+
+
+@pytest.mark.parametrize("span, message", [
+    (("pool9", "pool2", 2), r"^--microbatch-span: 'pool9' is no top of this net$"),
+    (("pool2", "pool1", 2), r"^--microbatch-span: 'pool1' is not made after 'pool2'$"),
+    (("pool1", "pool2", 3), r"^--microbatch-span: a micro-batch of 3 samples must divide the batch of 8"),
+    (("pool2", "fc", 2), r"^--microbatch-span: 'fc' \(InnerProduct\) cannot run a micro-batch at a time"),
+])
+def test_a_span_that_cannot_be_micro_batched_is_refused_in_one_line(span, message):
+    with pytest.raises(MinigistError, match=message):
+        compile(VGG, BASE.replace(spans=(span,)))
+
+
+def test_a_span_may_not_overlap_the_front_or_a_recomputation():
+    with pytest.raises(MinigistError, match=r"^--microbatch-span: the span after 'pool1' overlaps the front"):
+        compile(VGG, BASE.replace(microbatch=("pool2", 2), spans=(SPAN,)))
+    with pytest.raises(MinigistError, match=r"^--microbatch-span: the span after 'pool1' overlaps the front"):
+        compile(VGG, BASE.replace(recompute=("conv2_1@relu2_1",), spans=(SPAN,)))
+
+
+def test_the_optimizer_chooses_per_micro_batch_and_its_plan_is_the_compiled_one():
+    options = BASE.replace(spans=(SPAN,))
+    optimizer = Optimizer(VGG, options, minigist.costmodel.reference_model())
+    plain = Optimizer(VGG, BASE, minigist.costmodel.reference_model())
+    assert optimizer.baseline_footprint == plain.baseline_footprint     # compared with the whole none
+    # each micro-batch's part of a stash is a choice of its own, never recomputed
+    parts = [t for t in optimizer.stashes if t.startswith("conv2_1@relu2_1#")]
+    assert parts == [f"conv2_1@relu2_1#m{k}" for k in range(4)]
+    assert not any(o.recompute for t in parts for o in optimizer.stashes[t].options)
+    plan = optimizer.smallest()
+    assert plan.footprint_bytes == compile(VGG, plan.options).plan.footprint_bytes + max(
+        0, optimizer.eval_transient - compile(VGG, plan.options).plan.transient_bytes)
+    record = json.loads(json.dumps(plan.to_json()))      # as a checkpoint holds it
+    check_optimized_plan(record)
+    assert RecordedPlan(BASE, record).options.spans == (SPAN,)
+    with pytest.raises(ValueError, match=r"'spans' is \[\['pool1', 'pool2', 0\]\], not a list"):
+        check_optimized_plan(dict(record, spans=[["pool1", "pool2", 0]]))
+    # lossless: whatever it chose per micro-batch trains as --gist none does
+    data = batches(2, batch_size=8)
+    reference, expected = train(BASE, data)
+    net = minigist.Net(VGG, seed=1, plan=RecordedPlan(BASE, record),
+                       solver=minigist.SGD(lr=0.01, momentum=0.9, weight_decay=5e-4))
+    assert [net.train_step(*batch) for batch in data] == expected
+    for key, value in reference.params().items():
+        np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
