@@ -60,7 +60,7 @@ from .passes import gist as gist_pass
 from .passes.gist import dpr_applies
 from .passes.microbatch import front_candidates
 from .pipeline import Options, compile
-from .program import INPUT, STASH, WEIGHT_GRAD_BLOCK_BYTES, stash_key
+from .program import INPUT, STASH, WEIGHT_GRAD_BLOCK_BYTES, of_micro, stash_key
 
 KEEP = "fp32"
 # recomputed (Options.recompute), shared (also in Options.recompute_shared: a segment that rebuilds
@@ -451,7 +451,7 @@ class Optimizer:
                 owned.setdefault(stash_key(buffer), []).append(name)
             elif buffer.kind == "ws" and buffer.tensor.endswith((".encode", ".decode")):
                 tensor = buffer.tensor.rsplit(".", 1)[0]
-                owned.setdefault(f"{tensor}#{buffer.micro}" if buffer.micro else tensor, []).append(name)
+                owned.setdefault(of_micro(tensor, buffer.micro), []).append(name)
         reverse = {n: t for t, names in owned.items() for n in names}
         seconds, workspace = {}, {}
         base = self.base.program

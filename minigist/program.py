@@ -59,11 +59,17 @@ class Buffer:
         return self.category in PERSISTENT_CATEGORIES
 
 
+def of_micro(name, micro):
+    """`name` for micro-batch `micro`'s part (passes/microbatch.py names a micro-batch's
+    buffers so): `name` itself for the whole batch ("")."""
+    return f"{name}#{micro}" if micro else name
+
+
 def stash_key(buffer):
     """The name a stashed buffer is chosen by (Gist's overrides, the optimizer's decisions): its
     tensor, and for a micro-batch's part of one (passes/microbatch.py: a span's stashes) the
     micro-batch too."""
-    return f"{buffer.tensor}#{buffer.micro}" if buffer.micro else buffer.tensor
+    return of_micro(buffer.tensor, buffer.micro)
 
 
 def names_in(value):

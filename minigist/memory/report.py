@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from ..program import CATEGORIES, STASH
+from ..program import CATEGORIES, STASH, stash_key
 from . import align
 
 FIELDS = ("model", "batch_size", "input_shape", "alloc", "footprint_bytes", "live_peak_bytes",
@@ -47,8 +47,7 @@ def stash_rows(plan):
         if encoding is None and (buffer.category != STASH or buffer.kind == "dec"):
             continue
         # a micro-batch's part of a tensor (passes/microbatch.py: a span's stashes) is a row of its own
-        tensor = f"{buffer.tensor}#{buffer.micro}" if buffer.micro else buffer.tensor
-        row = {"layer": buffer.layer, "tensor": tensor, "shape": list(buffer.shape),
+        row = {"layer": buffer.layer, "tensor": stash_key(buffer), "shape": list(buffer.shape),
                "encoding": "fp32" if buffer.dtype == np.float32 else str(buffer.dtype),
                "raw_bytes": buffer.nbytes, "stored_bytes": align(buffer.nbytes, plan.alignment),
                "first_use": buffer.first_use, "last_use": buffer.last_use}

@@ -49,7 +49,8 @@ from ..codecs.bits import BitMask, PackedCodes
 from ..codecs.dpr import DPR, HalfStash
 from ..codecs.segmented import PerSample
 from ..codecs.ssdc import SSDC
-from ..program import ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in, stash_key
+from ..program import (ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in, of_micro,
+                       stash_key)
 from .gist_steps import (Decode, DecodeRows, Encode, IdentityBackward, MaskBackward, StreamedBackward, StreamedReplay,
                          WriteCodes)
 
@@ -71,10 +72,6 @@ def dpr_applies(buffer, batch_size):
     return (buffer.dtype == np.float32 and buffer.nbytes >= DPR_MIN_BYTES and len(buffer.shape) >= 2
             and (buffer.shape[0] == batch_size or bool(buffer.micro)))
 
-
-def _of_micro(name, micro):
-    """The name of buffer `name`'s micro-batch `micro` (passes/microbatch.py): itself for the batch."""
-    return f"{name}#{micro}" if micro else name
 
 
 @dataclass
@@ -216,12 +213,12 @@ class _Builder:
             consumers=consumers, config=self.config, sparse=sparse, dpr_applies=self.dpr_applies(buffer),
             ssdc=self.ssdc_codec(buffer) if sparse else None,
             saved_of=lambda layer, part: self.saved.get((layer.name, part, buffer.micro)),
-            top_of=lambda layer: self.buffer_of_micro(f"blob:{self.graph.node_of(layer.name).tops[0]}", buffer.micro))
+            top_of=lambda layer: self.bufferof_micro(f"blob:{self.graph.node_of(layer.name).tops[0]}", buffer.micro))
 
-    def buffer_of_micro(self, name, micro):
+    def bufferof_micro(self, name, micro):
         """Buffer `name`'s part of micro-batch `micro`, or `name` itself where the micro-batches
         share it whole (a span's last top, written a micro-batch's rows at a time)."""
-        local = _of_micro(name, micro)
+        local = of_micro(name, micro)
         return local if local in self.program.buffers else name
 
     # ---- rewriting --------------------------------------------------------------------
@@ -260,7 +257,7 @@ class _Builder:
             encoded = {}
             micro = buffer.micro
             for part, decl in codec.encoded(buffer.shape).items():
-                enc_name = _of_micro(f"enc:{tensor}.{part}", micro)
+                enc_name = of_micro(f"enc:{tensor}.{part}", micro)
                 buffers[enc_name] = Buffer(enc_name, tuple(decl.shape), np.dtype(decl.dtype), ENCODED, buffer.layer,
                                            kind="enc", tensor=tensor, part=part, micro=micro)
                 encoded[part] = enc_name
@@ -323,7 +320,7 @@ class _Builder:
                     owns.append(own)
                 encodings[name] = Encoding(name, codec, codec.name, list(encoded.values()), owns[0])
                 continue
-            decoded = _of_micro(f"dec:{tensor}", micro)
+            decoded = of_micro(f"dec:{tensor}", micro)
             decoded_shape = (chunk,) + tuple(buffer.shape[1:]) if chunk else buffer.shape
             buffers[decoded] = Buffer(decoded, decoded_shape, np.dtype(codec.decoded_dtype(buffer.dtype)),
                                       STASH, buffer.layer, kind="dec", tensor=tensor, micro=micro)
@@ -553,7 +550,7 @@ def _stream_args(streams):
 def _workspace(buffers, decls, prefix, layer, micro=""):
     names = {}
     for part, decl in decls.items():
-        name = _of_micro(f"ws:{prefix}.{part}", micro)
+        name = of_micro(f"ws:{prefix}.{part}", micro)
         buffers[name] = Buffer(name, tuple(decl.shape), np.dtype(decl.dtype), WORKSPACE, layer,
                                kind="ws", tensor=prefix, part=part, micro=micro)
         names[part] = name

@@ -42,7 +42,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import MinigistError
-from ..program import FEATURE, GRADIENT, STASH, WORKSPACE, Buffer, Program, Step, names_in
+from ..program import FEATURE, GRADIENT, STASH, WORKSPACE, Buffer, Program, Step, names_in, of_micro
 from .recompute import Replay
 
 # roles whose buffers a step reads or writes a sample per row (parameters are whole)
@@ -216,7 +216,7 @@ class _Builder:
         replayed = name == self.through and tag[0] == "r"      # the front's replays rebuild it
         if name is None or not (name in self.internal or replayed):
             return name
-        local = f"{name}#{tag}"
+        local = of_micro(name, tag)
         if local not in self.buffers:
             original = self.program.buffers[name]
             shape = (self.samples,) + tuple(original.shape[1:])
@@ -231,7 +231,7 @@ class _Builder:
         names = {}
         for part, decl in clone.workspace(phase, gx_needed).items():
             tensor = f"{clone.name}.{phase}.{part}"
-            name = f"ws:{tensor}#{tag}"
+            name = of_micro(f"ws:{tensor}", tag)
             self.buffers[name] = Buffer(name, tuple(decl.shape), np.dtype(decl.dtype or clone.dtype), WORKSPACE,
                                         clone.name, kind="ws", tensor=tensor, part=part, micro=tag)
             names[part] = name
