@@ -213,9 +213,9 @@ class _Builder:
             consumers=consumers, config=self.config, sparse=sparse, dpr_applies=self.dpr_applies(buffer),
             ssdc=self.ssdc_codec(buffer) if sparse else None,
             saved_of=lambda layer, part: self.saved.get((layer.name, part, buffer.micro)),
-            top_of=lambda layer: self.bufferof_micro(f"blob:{self.graph.node_of(layer.name).tops[0]}", buffer.micro))
+            top_of=lambda layer: self.buffer_of_micro(f"blob:{self.graph.node_of(layer.name).tops[0]}", buffer.micro))
 
-    def bufferof_micro(self, name, micro):
+    def buffer_of_micro(self, name, micro):
         """Buffer `name`'s part of micro-batch `micro`, or `name` itself where the micro-batches
         share it whole (a span's last top, written a micro-batch's rows at a time)."""
         local = of_micro(name, micro)
@@ -425,7 +425,7 @@ class _Builder:
         if not self.streamable(name, codec):
             return 0
         if any("samples" in self.steps[index].args for index in self.readers[name]):
-            return 0    # a micro-batch's reader takes rows of the whole decoded copy (passes/microbatch.py)
+            return 0    # a micro-batch's reader takes its own rows (read_by_rows), never a slice buffer
         chunk = 1
         for index in self.readers[name]:
             step = self.steps[index]

@@ -29,9 +29,9 @@ sample at a time.
 A span (apply_span) is the same loop over a cut of the net past the front, from blob `start`
 (exclusive) through `through`, with no replay: its forward runs a micro-batch at a time as the
 front's does, each micro-batch's stashes stay buffers of that micro-batch (category stash, their
-`micro` tag naming it) until its backward. The backward
-runs a micro-batch at a time where the span's backward starts, each reading the stashes its own
-forward kept and rows of `through`'s gradient, and writing rows of `start`'s gradient.
+`micro` tag naming it) until its backward. The backward runs a micro-batch at a time where the
+span's backward starts, each reading the stashes its own forward kept and rows of `through`'s
+gradient, and writing rows of `start`'s gradient.
 
 Order: after recomputation, which may not touch the front (its tensors are rebuilt here), and
 before Gist, which then sees only `through` of the front, written by several steps, and
