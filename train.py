@@ -136,6 +136,18 @@ def microbatch_spec(text):
     return blob, int(samples)
 
 
+def spans_spec(text):
+    """START:THROUGH:SAMPLES[,START:THROUGH:SAMPLES...] -> ((start, through, samples), ...)."""
+    spans = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or not all(parts[:2]) or not parts[2].isdigit() or int(parts[2]) < 1:
+            raise argparse.ArgumentTypeError(f"expected START:THROUGH:SAMPLES such as pool2:pool3:1 (several "
+                                             f"separated by commas), got {text!r}")
+        spans.append((parts[0], parts[1], int(parts[2])))
+    return tuple(spans)
+
+
 def positive_seconds(text):
     value = non_negative_float(text)
     if value <= 0:
@@ -253,6 +265,12 @@ def make_parser():
                             "SAMPLES divides the batch and is a whole number of each convolution's batch chunks. "
                             "auto (with --optimize): the optimizer chooses the front too, among the whole one and "
                             "one through each pooling layer at its smallest micro-batch")
+    group.add_argument("--microbatch-span", type=spans_spec, metavar="START:THROUGH:SAMPLES[,...]",
+                       help="run the layers after top START through top THROUGH SAMPLES samples at a time, forward "
+                            "and backward, each micro-batch's stashes kept for its own backward (no replay): none "
+                            "of the span's gradients is whole. Same weights bit for bit. The span's layers as for "
+                            "--microbatch; START is read by the span alone. Several spans: separated by commas. "
+                            "--microbatch auto (with --optimize) tries the span behind each front itself")
     group.add_argument("--memory-budget", type=byte_size, metavar="SIZE",
                        help="fail before training if it needs more memory than SIZE (e.g. 2GiB, 512MB)")
     group.add_argument("--optimize", action="store_true",

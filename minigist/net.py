@@ -78,7 +78,7 @@ class Net:
                  binarize="fused", gist_overrides=None, ssdc_density=None, update="separate",
                  conv="im2col", add_loss=False, input_channels=None, threads=None, recompute=(),
                  recompute_shared=(), comm=None, shard="none", bucket_bytes=DEFAULT_BUCKET_BYTES, initializers=True,
-                 plan=None, microbatch=()):
+                 plan=None, microbatch=(), spans=()):
         self.comm = comm
         memory_budget = budget_bytes(memory_budget)
         ranks = comm.size if comm is not None else 1
@@ -93,13 +93,13 @@ class Net:
             conv=conv, alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, overrides=gist_overrides, update=update,
             budget=memory_budget, densities=ssdc_density, add_loss=add_loss, recompute=recompute,
             recompute_shared=recompute_shared, ranks=ranks, shard=shard, bucket_bytes=bucket_bytes,
-            microbatch=microbatch))
+            microbatch=microbatch, spans=spans))
         if plan is not None:    # minigist.optimize's plan: its settings and decisions win
             if not hasattr(plan, "options"):
                 raise MinigistError(f"plan: expected what minigist.optimize returns, got {plan!r}")
             given = dict(batch_size=batch_size, input_size=input_size, input_channels=input_channels, conv=conv,
                          alloc=alloc, gist=gist, dpr=dpr, binarize=binarize, update=update, add_loss=add_loss,
-                         microbatch=microbatch)
+                         microbatch=microbatch, spans=tuple(tuple(span) for span in spans))
             _refuse_plan_conflicts(plan.options, given)
             owned = dict(gist_overrides=gist_overrides, ssdc_density=ssdc_density, recompute=recompute,
                          recompute_shared=recompute_shared)

@@ -58,7 +58,7 @@ from .memory import align
 from .memory.report import footprint_report, live_by_step
 from .passes import gist as gist_pass
 from .passes.gist import dpr_applies
-from .passes.microbatch import front_candidates
+from .passes.microbatch import front_candidates, span_after
 from .pipeline import Options, compile
 from .program import INPUT, STASH, WEIGHT_GRAD_BLOCK_BYTES, of_micro, stash_key
 
@@ -1205,24 +1205,26 @@ class SettingsSearch:
     goes on without them."""
 
     def __init__(self, model, options, cost_model, lossy=False, fronts=None, updates=(), choose_front=True):
-        self.whole = Optimizer(model, options.replace(microbatch=()), cost_model, lossy=lossy)
+        self.whole = Optimizer(model, options.replace(microbatch=(), spans=()), cost_model, lossy=lossy)
         self.choose_front = choose_front
         if not choose_front:
             fronts = ()
         self.fronts = front_candidates(self.whole.base.program) if fronts is None else list(fronts)
+        self.layouts = layouts(self.whole.base.program, self.fronts)
         self.updates = [options.update]
         self.unblocked = [u for u in updates if u == "blocked" and not makes_blocks(model, options)]
         self.updates += [u for u in updates if u != options.update and u not in self.unblocked]
         self.optimizers, self.dropped = [self.whole], {}
         for update in self.updates:
-            for front in [()] + self.fronts:
-                if (update, front) == (options.update, ()):
+            for front, spans in [((), ())] + self.layouts:
+                if (update, front, spans) == (options.update, (), ()):
                     continue
                 try:
-                    self.optimizers.append(Optimizer(model, options.replace(update=update, microbatch=front),
+                    self.optimizers.append(Optimizer(model, options.replace(update=update, microbatch=front,
+                                                                            spans=spans),
                                                      cost_model, lossy=lossy, compared_with=options))
                 except MinigistError as exc:
-                    self.dropped[(update, front)] = str(exc)
+                    self.dropped[(update, front, spans)] = str(exc)
         self.baseline_footprint = self.whole.baseline_footprint
         self.baseline_seconds = self.whole.baseline_seconds
 
@@ -1272,26 +1274,30 @@ class SettingsSearch:
         if optimizer is self.whole:
             raise exc
         self.optimizers.remove(optimizer)
-        self.dropped[(optimizer.options.update, optimizer.options.microbatch)] = str(exc)
+        options = optimizer.options
+        self.dropped[(options.update, options.microbatch, options.spans)] = str(exc)
 
     def _named(self, options):
         front = options.microbatch
         named = "the front whole" if not front else f"the front through {front[0]}, {front[1]} at a time"
+        named += "".join(f", the span {start} -> {through}, {samples} at a time"
+                         for start, through, samples in options.spans)
         return named + (f", the {options.update} update" if len(self.updates) > 1 else "")
 
     def describe(self):
         """The settings tried, in words."""
-        dropped = "".join(f"; {self._label(update, front)} left out ({why})"
-                          for (update, front), why in self.dropped.items())
+        dropped = "".join(f"; {self._label(update, front, spans)} left out ({why})"
+                          for (update, front, spans), why in self.dropped.items())
         parts = []
         if self.choose_front:
-            fronts = [front for front in self.fronts if any(o.options.microbatch == front for o in self.optimizers)]
-            if not fronts and not self.dropped:
+            tried = [(front, spans) for front, spans in self.layouts
+                     if any((o.options.microbatch, o.options.spans) == (front, spans) for o in self.optimizers)]
+            if not tried and not self.dropped:
                 parts.append("--microbatch auto: no front of this net may run a micro-batch at a time (convolutions "
                              "on --conv im2col, ReLU, pooling and LRN up to a pool); the front is whole")
             else:
                 parts.append("--microbatch auto: fronts tried: " + ", ".join(
-                    ["whole"] + [f"{blob}:{samples}" for blob, samples in fronts]))
+                    ["whole"] + [_layout_label(front, spans) for front, spans in tried]))
         if len(self.updates) > 1 or self.unblocked:
             updates = "--update auto: updates tried: " + ", ".join(self.updates)
             if self.unblocked:
@@ -1300,12 +1306,29 @@ class SettingsSearch:
             parts.append(updates)
         return "; ".join(parts) + dropped
 
-    def _label(self, update, front):
-        label = "whole" if not front else f"{front[0]}:{front[1]}"
-        return label + (f" {update}" if len(self.updates) > 1 else "")
+    def _label(self, update, front, spans=()):
+        return _layout_label(front, spans) + (f" {update}" if len(self.updates) > 1 else "")
 
     def _tried(self):
-        return ", ".join(self._label(o.options.update, o.options.microbatch) for o in self.optimizers)
+        return ", ".join(self._label(o.options.update, o.options.microbatch, o.options.spans) for o in self.optimizers)
+
+
+def layouts(program, fronts):
+    """The (front, spans) settings --microbatch auto plans with, beside the whole net: each of
+    `fronts` alone, then each with the span behind it (passes/microbatch.span_after), which
+    runs the next block a micro-batch at a time keeping its stashes instead of replaying it."""
+    found = [(front, ()) for front in fronts]
+    for front in fronts:
+        span = span_after(program, front[0])
+        if span is not None:
+            found.append((front, (span,)))
+    return found
+
+
+def _layout_label(front, spans):
+    """A front and its spans in a word: "pool1:1", "pool1:1+pool2:1" (the span through pool2)."""
+    label = "whole" if not front else f"{front[0]}:{front[1]}"
+    return label + "".join(f"+{through}:{samples}" for _, through, samples in spans)
 
 
 def makes_blocks(model, options):

@@ -14,7 +14,7 @@ import numpy as np
 from .costmodel import MeasuredModel, flop_model, profile_programs, reference_model
 from .errors import MinigistError
 from .optimize import (KEEP, SMALL_CHUNK_BYTES, RecordedPlan, Settings, SettingsSearch, makes_blocks,
-                       dominated_by, lossy_overrides, optimizer_for)
+                       dominated_by, layouts, lossy_overrides, optimizer_for)
 from .passes.microbatch import front_candidates
 from .pipeline import compile, plan_report
 from .program import STASH, WEIGHT_GRAD_BLOCK_BYTES
@@ -82,6 +82,10 @@ def plan_lines(plan):
         unit = "samples" if microbatch[1] > 1 else "sample"
         lines.append(f"front: the input through {microbatch[0]} runs {microbatch[1]} {unit} at a time (--microbatch), "
                      f"its forward again in the backward pass (in the predicted time)")
+    for start, through, samples in getattr(plan.options, "spans", ()):
+        unit = "samples" if samples > 1 else "sample"
+        lines.append(f"span: the layers after {start} through {through} run {samples} {unit} at a time, forward and "
+                     f"backward, each micro-batch's stashes kept for its own backward (no replay)")
     if plan.options.update == "blocked":
         lines.append("update: blocked (--update): a fully connected layer's weight gradient above "
                      f"{WEIGHT_GRAD_BLOCK_BYTES >> 20} MiB is made and applied a block of rows at a time")
@@ -122,8 +126,9 @@ FRONTIER_HEADER = ["frontier (budget against predicted overhead, budgets from th
 def frontier_row(budget, plan):
     shown = "smallest" if budget is None else f"{budget:,}"
     front = getattr(plan.options, "microbatch", ())
+    spans = "".join(f"+{through}:{samples}" for _, through, samples in getattr(plan.options, "spans", ()))
     return (f"  {shown:>16}  {plan.footprint_bytes:>16,}  {plan.ratio:6.2f}x  "
-            f"{100 * plan.predicted_overhead:+8.1f}%" + (f"  front {front[0]}:{front[1]}" if front else "")
+            f"{100 * plan.predicted_overhead:+8.1f}%" + (f"  front {front[0]}:{front[1]}{spans}" if front else "")
             + ("  blocked update" if plan.options.update == "blocked" else ""))
 
 
@@ -265,13 +270,19 @@ def _replaying_nets(model, bases, plain, threads):
 
 
 def _front_nets(model, base, fronts, threads):
-    """For each of `fronts`, a net of `base` under --gist none with that front micro-batched
-    (none where that program cannot be built here: the search leaves such a front out)."""
+    """For each of the settings --microbatch auto makes of `fronts` (optimize.layouts: each
+    front, and with the span behind it), a net of `base` under --gist none with that front and
+    spans micro-batched (none where that program cannot be built here: the search leaves such a
+    setting out)."""
     from .net import Net
+    if not fronts:
+        return []
     nets = []
-    for front in fronts:
+    whole = compile(model, base.replace(gist="none", microbatch=(), spans=())).program
+    for front, spans in layouts(whole, fronts):
         try:
-            nets.append(Net(model, threads=threads, plan=Settings(base.replace(gist="none", microbatch=front))))
+            nets.append(Net(model, threads=threads, plan=Settings(base.replace(gist="none", microbatch=front,
+                                                                               spans=spans))))
         except MinigistError:
             pass
     return nets

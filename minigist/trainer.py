@@ -105,6 +105,7 @@ class RunOptions:
     bucket_size: int = DEFAULT_BUCKET_BYTES
     rank_timeout: float = DEFAULT_TIMEOUT
     microbatch: tuple = ()
+    microbatch_span: tuple = ()     # ((START, THROUGH, SAMPLES), ...)
     optimize: bool = False
     measure_rates: bool = False
 
@@ -464,7 +465,7 @@ def compile_options(path, args, alloc=None, gist=None):
         alloc=alloc or args.alloc, gist=args.gist if gist is None else gist, dpr=args.dpr, update=named_update(args),
         densities=getattr(args, "ssdc_density", None), add_loss=args.add_loss, ranks=getattr(args, "ranks", None) or 1,
         shard=getattr(args, "shard", "none"), bucket_bytes=getattr(args, "bucket_size", DEFAULT_BUCKET_BYTES),
-        microbatch=named_front(args)))
+        microbatch=named_front(args), spans=named_spans(args)))
 
 
 def named_update(args):
@@ -478,6 +479,11 @@ def named_front(args):
     (the optimizer then chooses the front, optimize.SettingsSearch)."""
     front = getattr(args, "microbatch", None)
     return () if front in (None, "auto") else front
+
+
+def named_spans(args):
+    """--microbatch-span as the pipeline takes it: ((START, THROUGH, SAMPLES), ...)."""
+    return tuple(tuple(span) for span in getattr(args, "microbatch_span", None) or ())
 
 
 def plan_for(path, args, alloc=None, gist=None):
@@ -588,7 +594,8 @@ class Trainer:
     def __init__(self, options, given=(), command_line=(), out=print, check_config=None,
                  environment_defaults=frozenset(), comm=None):
         self.args = copy.copy(options)
-        for key in ("ranks", "shard", "bucket_size", "rank_timeout", "microbatch"):     # an older caller's options
+        for key in ("ranks", "shard", "bucket_size", "rank_timeout", "microbatch", "microbatch_span"):
+            # an older caller's options
             if not hasattr(self.args, key):
                 setattr(self.args, key, getattr(RunOptions, key))
         self.comm = comm
@@ -611,6 +618,9 @@ class Trainer:
         resumed = self._open_checkpoint()
         schedule_change, threads_from = self._settle_options(resumed)
         path = resolve_model(args.model)
+        if args.microbatch == "auto" and named_spans(args):
+            raise MinigistError("--microbatch-span: --microbatch auto chooses the spans with the front; give one or "
+                                "the other")
         if args.optimize or args.measure_rates:
             from .optimize_cli import check_args
             check_args(args)
@@ -783,7 +793,7 @@ class Trainer:
                   input_channels=args.input_channels,
                   memory_budget=None if calibrates else args.memory_budget, add_loss=args.add_loss,
                   comm=self.comm, shard=args.shard, bucket_bytes=args.bucket_size, microbatch=named_front(args),
-                  initializers=not args.ignore_initializers, **gist_kwargs(args))
+                  spans=named_spans(args), initializers=not args.ignore_initializers, **gist_kwargs(args))
         if calibrates and args.memory_budget is not None and net.persistent_bytes > args.memory_budget:
             raise MinigistError(f"--memory-budget: the weights and optimizer state alone need {net.persistent_bytes:,} "
                                 f"bytes, the budget allows {args.memory_budget:,} bytes")

@@ -167,7 +167,9 @@ def test_auto_tries_each_pooling_front_at_its_smallest_micro_batch():
 
 def test_auto_chooses_the_front_a_budget_needs_and_the_plan_trains_bit_identically():
     search = SettingsSearch(VGG, BASE, minigist.costmodel.reference_model())
-    assert search.describe() == "--microbatch auto: fronts tried: whole, pool1:1, pool2:1, pool3:1"
+    # each front, then each with the span behind it (through the next pool, its stashes kept)
+    assert search.describe() == ("--microbatch auto: fronts tried: whole, pool1:1, pool2:1, pool3:1, "
+                                 "pool1:1+pool2:1, pool2:1+pool3:1")
     assert search.baseline_footprint == 24669952
     # room to spare: the whole front, at the least predicted time
     assert search.fit(30_000_000).options.microbatch == ()
@@ -176,7 +178,8 @@ def test_auto_chooses_the_front_a_budget_needs_and_the_plan_trains_bit_identical
         plan = search.fit(budget)
         assert (plan.options.microbatch, plan.footprint_bytes) == (front, footprint)
         assert plan.footprint_bytes == compile(VGG, plan.options).plan.footprint_bytes
-    with pytest.raises(NothingFits, match=r"the nearest of the fronts tried: whole, pool1:1, pool2:1, pool3:1\)$"):
+    with pytest.raises(NothingFits, match=r"the nearest of the fronts tried: whole, pool1:1, pool2:1, pool3:1, "
+                                          r"pool1:1\+pool2:1, pool2:1\+pool3:1\)$"):
         search.fit(17_000_000)
     # lossless: the chosen front and decisions train as --gist none does, bit for bit
     data = batches(2, batch_size=8)
@@ -287,8 +290,8 @@ def test_a_front_whose_planning_fails_is_left_out_of_the_search():
     failing.within = failing.fit = refuse
     plan = search.within(0.5)
     assert plan.options.microbatch != ("pool2", 1) and failing not in search.optimizers
-    assert search.describe().endswith("fronts tried: whole, pool1:1, pool3:1; pool2:1 left out "
-                                      "(--microbatch: planned to fail)")
+    assert search.describe().endswith("fronts tried: whole, pool1:1, pool3:1, pool1:1+pool2:1, pool2:1+pool3:1; "
+                                      "pool2:1 left out (--microbatch: planned to fail)")
     search.whole.fit = refuse       # the whole front's own errors stand
     with pytest.raises(MinigistError, match="planned to fail"):
         search.fit(30_000_000)

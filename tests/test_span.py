@@ -122,3 +122,73 @@ def test_the_optimizer_chooses_per_micro_batch_and_its_plan_is_the_compiled_one(
     assert [net.train_step(*batch) for batch in data] == expected
     for key, value in reference.params().items():
         np.testing.assert_array_equal(net.params()[key], value, err_msg=key)
+
+
+TWO_POOLS = """
+layer { name: "data" type: "Input" top: "data" top: "label" input_param { shape { dim: 4 dim: 3 dim: 224 dim: 224 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2" convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool2" top: "fc" inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+"""
+
+
+def test_auto_offers_the_span_behind_each_front_and_a_training_run_times_it(tmp_path, monkeypatch):
+    """--microbatch auto plans each front alone and with the span through the next pool behind
+    it; a training run's profiling run times the `none` program of each of those settings."""
+    from minigist import optimize_cli
+    from minigist.optimize import layouts
+    from minigist.passes.microbatch import front_candidates
+    from test_microbatch import recorded_profiles
+    path = tmp_path / "two_pools.prototxt"
+    path.write_text(TWO_POOLS)
+    options = Options(batch_size=4, update="fused", conv="im2col")
+    program = compile(str(path), options).program
+    fronts = front_candidates(program)
+    # conv2's chunks hold two samples: the span through pool2 runs two at a time
+    assert fronts == [("pool1", 1), ("pool2", 2)]
+    assert layouts(program, fronts) == [(("pool1", 1), ()), (("pool2", 2), ()),
+                                        (("pool1", 1), (("pool1", "pool2", 2),))]
+    profiled = recorded_profiles(monkeypatch)
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((4, 3, 224, 224)).astype(np.float32), rng.integers(0, 3, 4))
+    optimize_cli.profiled_model(str(path), options, batch, lossy=False, threads=1, out=lambda line: None,
+                                fronts=fronts)
+    spanned = [p for p in profiled if any(s.layer is not None and s.layer.name == "conv2" and "samples" in s.args
+                                          and s.kind == "forward" for s in p.steps)
+               and not any(s.kind == "recompute" and s.layer.name == "conv2" for s in p.steps)]
+    assert len(spanned) == 1      # the span's none program: conv2 two samples at a time, not replayed
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--microbatch-span", "pool1:pool2"], "argument --microbatch-span: expected START:THROUGH:SAMPLES"),
+    (["--microbatch-span", "pool1:fc:2", "--conv", "im2col"], "--microbatch-span: 'fc' is no top of this net"),
+    (["--microbatch-span", "pool2:pool3:1", "--microbatch", "auto", "--optimize"],
+     "--microbatch-span: --microbatch auto chooses the spans with the front; give one or the other"),
+])
+def test_the_command_line_refuses_a_bad_span_in_one_line(flags, message):
+    import os
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run([sys.executable, os.path.join(root, "train.py"), "--model", "vgg16", "--batch-size", "8",
+                           "--plan-only"] + flags, capture_output=True, text=True, cwd=root)
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) <= 2, done.stderr
+
+
+def test_the_command_lines_span_is_the_libraries(tmp_path):
+    import train as cli
+    report_path = tmp_path / "r.json"
+    flags = ["--model", "vgg16", "--batch-size", "8", "--conv", "im2col", "--plan-only", "--gist", "lossless",
+             "--densities", "none", "--microbatch", "pool1:1", "--microbatch-span", "pool1:pool2:1,pool2:pool3:1"]
+    assert cli.main(flags + ["--report-json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    with_spans = compile(model("vgg16"), Options(batch_size=8, conv="im2col", gist="lossless", update="fused",
+                                                 microbatch=("pool1", 1),
+                                                 spans=(("pool1", "pool2", 1), ("pool2", "pool3", 1))))
+    assert report["footprint_bytes"] == with_spans.plan.footprint_bytes

@@ -126,7 +126,8 @@ def main():
             ratios.setdefault(column, {})[name] = ratio
             notes = ([] if overhead is None else [f"{100 * overhead:.0f}%"])
             if fronts.get(name) == "auto" and chosen is not None and chosen.microbatch:
-                notes.append(f"front {chosen.microbatch[0]}:{chosen.microbatch[1]}")
+                notes.append(f"front {chosen.microbatch[0]}:{chosen.microbatch[1]}"
+                             + "".join(f", span to {through}:{samples}" for _, through, samples in chosen.spans))
             if args.update == "auto" and chosen is not None and chosen.update == "blocked":
                 notes.append("blocked update")
             shown.append(f"{ratio:.2f}x" + (f" ({', '.join(notes)})" if notes else ""))

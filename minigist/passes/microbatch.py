@@ -116,6 +116,32 @@ def front_candidates(program):
     return found
 
 
+def span_after(program, start):
+    """The span `--microbatch auto` offers behind a front through blob `start`, as (start,
+    through, samples): through the top of the next pooling layer (its gradient and top, whole,
+    are small), at the smallest micro-batch check_span accepts; None where check_span accepts
+    none (a layer on the way that cannot run a micro-batch at a time, a branch)."""
+    graph = program.graph
+    through = None
+    for node in graph.nodes[graph.blobs[start].producer + 1:]:
+        if not node.layer.microbatchable:
+            return None
+        if node.layer.type == "Pooling":
+            through = node.tops[0]
+            break
+    if through is None:
+        return None
+    for samples in range(1, graph.batch_size):
+        if graph.batch_size % samples:
+            continue
+        try:
+            check_span(program, start, through, samples)
+        except MinigistError:
+            continue
+        return (start, through, samples)
+    return None
+
+
 def apply_microbatch(program, through, samples, clones):
     """The program with the front through blob `through` run `samples` samples at a time (see
     the module docstring); `program` itself is left unchanged. A one-line MinigistError
