@@ -192,3 +192,27 @@ def test_the_command_lines_span_is_the_libraries(tmp_path):
                                                  microbatch=("pool1", 1),
                                                  spans=(("pool1", "pool2", 1), ("pool2", "pool3", 1))))
     assert report["footprint_bytes"] == with_spans.plan.footprint_bytes
+
+
+def test_a_fronts_replays_and_backward_decode_their_own_rows_of_the_net_input_in_fp16(tmp_path):
+    """The net's input in fp16 (DPR, lossy) behind a micro-batched front: each micro-batch's
+    replays and backward read their rows of it, decoded for that micro-batch alone (a per-sample
+    code read in slices would cut rows of a slice buffer, and the step failed). The forward reads
+    the fp32 input, so the first loss is the whole front's; the replays rebuild the front from
+    the fp16 input, so the gradients are not."""
+    path = tmp_path / "two_pools.prototxt"
+    path.write_text(TWO_POOLS)
+    rng = np.random.default_rng(0)
+    data = [(rng.standard_normal((8, 3, 224, 224)).astype(np.float32), rng.integers(0, 3, 8)) for _ in range(2)]
+    options = Options(batch_size=8, update="fused", chunk_bytes=1, gist="lossless", overrides={"data": "fp16"})
+
+    def run(options):
+        net = minigist.Net(str(path), seed=1, plan=Settings(options), solver=minigist.SGD(lr=0.01, momentum=0.9))
+        return net, [net.train_step(*batch) for batch in data]
+    _, expected = run(options)
+    net, losses = run(options.replace(microbatch=("pool1", 2)))
+    assert losses[0] == expected[0] and np.isfinite(losses).all()
+    program = net.programs["train"]
+    decodes = [s for s in program.steps if s.kind == "decode" and s.note == "data"]
+    assert [s.args["sample_range"] for s in decodes] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert {program.buffers[s.args["out"]].shape[0] for s in decodes} == {2}

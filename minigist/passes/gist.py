@@ -244,12 +244,14 @@ class _Builder:
             readers = self.readers[name]
             # read as it is: neither a decoded copy nor a streamed slice buffer
             direct = self.read_as_half(name, codec)
-            chunk = 0 if direct else self.stream_chunk(name, codec)
-            runs = self.replay_runs(name)
+            # readers that each take a micro-batch's rows (a span's first layer reading its
+            # input, a front's replays and backward reading the net's input): each micro-batch
+            # decodes its own rows
+            ranges = {} if direct else self.read_by_rows(name, codec)
+            chunk = 0 if direct or ranges else self.stream_chunk(name, codec)
+            runs = {} if ranges else self.replay_runs(name)
             run_chunks = {run: 0 if direct else self.replay_stream_chunk(name, codec, indices)
                           for run, indices in runs.items()}
-            # readers that each take a micro-batch's rows (a span's first layer reading its input)
-            ranges = {} if direct or chunk else self.read_by_rows(name, codec)
             if chunk or ranges or any(run_chunks.values()):
                 codec = self.per_sample(buffer, codec)
             if direct:
@@ -356,15 +358,13 @@ class _Builder:
         if step.kind != "backward":     # a replay reads decoded copies or slices; a forward, nothing
             if not renames:
                 return step
-            args = {role: _rename(value, renames) for role, value in step.args.items()}
+            args = self.renamed(index, step, renames)
             streams = self.streams.get(index)
             if not streams:
                 return Step(step.kind, step.layer, args, op=step.op, note=step.note)
             args["stream"] = _stream_args(streams)
             return Step(step.kind, step.layer, args, op=StreamedReplay(dict(streams)), note=step.note)
-        args = {role: _rename(value, renames) for role, value in step.args.items()}
-        if index in self.row_decoded:   # its rows decoded on their own: not cut from a whole tensor
-            args["whole"] = [n for n in args["whole"] if n not in self.row_decoded[index]]
+        args = self.renamed(index, step, renames)
         op = None
         if index in self.identity_relus:
             op = IdentityBackward()
@@ -379,6 +379,14 @@ class _Builder:
             assert op is None, f"{step.label}: a stash read in encoded form is not streamed"
             op = StreamedBackward(dict(streams))
         return Step(step.kind, step.layer, args, op=op)
+
+    def renamed(self, index, step, renames):
+        """Step `index`'s args with the stashes it reads renamed to what it reads instead; rows
+        decoded for its micro-batch alone are no longer cut from a whole tensor."""
+        args = {role: _rename(value, renames) for role, value in step.args.items()}
+        if index in self.row_decoded:
+            args["whole"] = [n for n in args["whole"] if n not in self.row_decoded[index]]
+        return args
 
     def replay_runs(self, name):
         """{the backward step a run of replays comes before: the indices of those replays that
@@ -443,14 +451,15 @@ class _Builder:
         return chunk if chunk < self.graph.batch_size else 0
 
     def read_by_rows(self, name, codec):
-        """{(first, end): the backward steps that read rows first:end of the stash `name`} where
-        every backward reader is a micro-batch's (passes/microbatch.py: a span's first layers
-        read its input a micro-batch at a time) and no replay reads it, for a codec of values
-        (SSDC, DPR): each micro-batch then decodes its own rows, not the whole tensor; else {}."""
-        if not self.streamable(name, codec) or self.replay_readers.get(name):
+        """{(first, end): the backward steps and replays that read rows first:end of the stash
+        `name`} where every one of them is a micro-batch's (passes/microbatch.py: a span's first
+        layer reads its input a micro-batch at a time, a front's replays and backward the net's
+        input), for a codec of values (SSDC, DPR): each micro-batch then decodes its own rows,
+        not the whole tensor; else {}."""
+        if not self.streamable(name, codec):
             return {}
         ranges = {}
-        for index in self.readers[name]:
+        for index in sorted(self.readers[name] + self.replay_readers.get(name, [])):
             samples = self.steps[index].args.get("samples")
             if samples is None or name not in self.steps[index].args.get("whole", ()):
                 return {}
@@ -470,6 +479,8 @@ class _Builder:
         instead of a decode step writing a whole copy of the tensor for the run."""
         if not indices or not self.streamable(name, codec):
             return 0
+        if any("samples" in self.steps[index].args for index in indices):
+            return 0    # a micro-batch's replay reads rows of a decoded copy, never a slice buffer
         chunk = 1
         for index in indices:
             samples = forward_slices(self.steps[index], name)
