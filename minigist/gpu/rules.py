@@ -560,14 +560,16 @@ def relu_like_batch(shape, classes, seed=0):
 
 
 def check_training(model, gist="none", batch_size=4, steps=2, dpr="fp16", update="fused", seed=0, recompute=(),
-                   recompute_shared=()):
+                   recompute_shared=(), microbatch=(), spans=()):
     """Build `model` on the checker, calibrate SSDC (for lossless / all, outside the record),
     take one step, then `steps` steps recorded; returns the Report. The steps are real: the
     weights change, and the losses are the numpy path's (tests compare them). `recompute`,
-    `recompute_shared`: stashes dropped and rebuilt by replays (passes/recompute.py)."""
+    `recompute_shared`: stashes dropped and rebuilt by replays (passes/recompute.py);
+    `microbatch`, `spans`: a front and spans run a micro-batch at a time (passes/microbatch.py)."""
     from ..net import Net
     net = Net(model, batch_size=batch_size, device="cupy-rules", gist=gist, dpr=dpr, conv="im2col",
-              update=update, seed=seed, recompute=recompute, recompute_shared=recompute_shared)
+              update=update, seed=seed, recompute=recompute, recompute_shared=recompute_shared,
+              microbatch=microbatch, spans=spans)
     data_shape = net.train_graph.blobs[net.train_graph.nodes[0].tops[0]].shape
     classes = int(net.train_graph.nodes[-1].layer.bottom_shapes[0][1])
     batches = [relu_like_batch(data_shape, classes, seed + k) for k in range(steps + 2)]

@@ -181,8 +181,9 @@ class Convolution(Layer):
             if accumulate:
                 # numpy sums the whole batch a sample at a time into gb: the same additions
                 part = ws["gbpart"]
-                for sample in gy0.reshape(n, o, oh * ow):
-                    xp.sum(sample, axis=1, out=part)
+                samples = gy0.reshape(n, o, oh * ow)
+                for index in range(n):      # by index: iterating a device array is a host sync
+                    xp.sum(samples[index], axis=1, out=part)
                     xp.add(gb, part, out=gb)
             else:
                 xp.sum(gy0.reshape(n, o, oh * ow), axis=(0, 2), out=gb)
