@@ -1297,7 +1297,7 @@ class SettingsSearch:
                              "on --conv im2col, ReLU, pooling and LRN up to a pool); the front is whole")
             else:
                 parts.append("--microbatch auto: fronts tried: " + ", ".join(
-                    ["whole"] + [_layout_label(front, spans) for front, spans in tried]))
+                    ["whole"] + [layout_label(front, spans) for front, spans in tried]))
         if len(self.updates) > 1 or self.unblocked:
             updates = "--update auto: updates tried: " + ", ".join(self.updates)
             if self.unblocked:
@@ -1307,7 +1307,7 @@ class SettingsSearch:
         return "; ".join(parts) + dropped
 
     def _label(self, update, front, spans=()):
-        return _layout_label(front, spans) + (f" {update}" if len(self.updates) > 1 else "")
+        return layout_label(front, spans) + (f" {update}" if len(self.updates) > 1 else "")
 
     def _tried(self):
         return ", ".join(self._label(o.options.update, o.options.microbatch, o.options.spans) for o in self.optimizers)
@@ -1325,7 +1325,7 @@ def layouts(program, fronts):
     return found
 
 
-def _layout_label(front, spans):
+def layout_label(front, spans):
     """A front and its spans in a word: "pool1:1", "pool1:1+pool2:1" (the span through pool2)."""
     label = "whole" if not front else f"{front[0]}:{front[1]}"
     return label + "".join(f"+{through}:{samples}" for _, through, samples in spans)

@@ -14,7 +14,7 @@ import numpy as np
 from .costmodel import MeasuredModel, flop_model, profile_programs, reference_model
 from .errors import MinigistError
 from .optimize import (KEEP, SMALL_CHUNK_BYTES, RecordedPlan, Settings, SettingsSearch, makes_blocks,
-                       dominated_by, layouts, lossy_overrides, optimizer_for)
+                       dominated_by, layout_label, layouts, lossy_overrides, optimizer_for)
 from .passes.microbatch import front_candidates
 from .pipeline import compile, plan_report
 from .program import STASH, WEIGHT_GRAD_BLOCK_BYTES
@@ -126,9 +126,9 @@ FRONTIER_HEADER = ["frontier (budget against predicted overhead, budgets from th
 def frontier_row(budget, plan):
     shown = "smallest" if budget is None else f"{budget:,}"
     front = getattr(plan.options, "microbatch", ())
-    spans = "".join(f"+{through}:{samples}" for _, through, samples in getattr(plan.options, "spans", ()))
+    spans = getattr(plan.options, "spans", ())
     return (f"  {shown:>16}  {plan.footprint_bytes:>16,}  {plan.ratio:6.2f}x  "
-            f"{100 * plan.predicted_overhead:+8.1f}%" + (f"  front {front[0]}:{front[1]}{spans}" if front else "")
+            f"{100 * plan.predicted_overhead:+8.1f}%" + (f"  front {layout_label(front, spans)}" if front else "")
             + ("  blocked update" if plan.options.update == "blocked" else ""))
 
 
