@@ -327,7 +327,7 @@ def profile_programs(nets, inputs, repeats=5):
             executor = net.executors["train"]
             program = net.compiled["train"].program
             with net._threads():
-                net._feeder("train", inputs)(executor.arrays)
+                executor.load(net._feeder("train", inputs))
                 for index, (step, bound) in enumerate(zip(program.steps, executor.steps)):
                     tick = time.perf_counter()
                     bound()

@@ -11,18 +11,28 @@ def arrays_for(arrays, names):
     return [arrays[name] if name is not None else None for name in names]
 
 
-def bind_step(step, arrays, xp, solver, stats=None, comm=None):
+class Feeding:
+    """The batch a run is on: `feed(arrays, rows=None)` writes the net's inputs (rows first:end
+    of them where `rows` is given) into the named arrays. A run sets it before its first step;
+    an op that names "feeding" in its `needs` (passes/microbatch.py's Feed: a micro-batch's rows
+    of the input, fed again where the front replays it) calls it in the middle of the run."""
+
+    def __init__(self):
+        self.feed = None
+
+
+def bind_step(step, arrays, xp, solver, stats=None, comm=None, feeding=None):
     """A no-argument callable that runs `step` on `arrays` (buffer name -> array). A step that
     carries an `op` (a kind some pass added, e.g. Gist's) is bound by it; `stats` is handed to
     those ops as it is, and the solver and the ranks' communicator `comm` to those whose
-    `needs` name them."""
+    `needs` name them, and `feeding` (the batch of the run) to those that feed an input."""
     args = step.args
     layer = step.layer
     if "samples" in args:     # a micro-batch: rows first:end of the whole-batch buffers (passes/microbatch.py)
         first, end = args["samples"]
         arrays = {**arrays, **{name: arrays[name][first:end] for name in args["whole"]}}
     if step.op is not None:
-        wanted = {"solver": solver, "comm": comm}
+        wanted = {"solver": solver, "comm": comm, "feeding": feeding}
         return step.op.bind(step, arrays, xp, stats, **{name: wanted[name] for name in getattr(step.op, "needs", ())})
     if step.kind == "forward":
         x, y, p, saved, ws = (arrays_for(arrays, args[role]) for role in ("x", "y", "p", "saved", "ws"))
@@ -63,13 +73,20 @@ class Executor:
     def __init__(self, program, arrays, xp, solver=None, stats=None, comm=None):
         self.program = program
         self.arrays = arrays
-        self.steps = [bind_step(step, arrays, xp, solver, stats, comm) for step in program.steps]
+        self.feeding = Feeding()
+        self.steps = [bind_step(step, arrays, xp, solver, stats, comm, self.feeding) for step in program.steps]
         self.no_update = [bound for bound, step in zip(self.steps, program.steps) if step.kind != "update"]
 
-    def run(self, feed, collect, update=True):
-        """feed(arrays) writes the inputs; collect(arrays) reads the outputs, which it returns.
-        update=False skips the SGD update steps (wherever they sit)."""
+    def load(self, feed):
+        """Write the inputs the program holds whole, and hand `feed` to its feed steps (a caller
+        that runs `steps` one by one loads first)."""
+        self.feeding.feed = feed
         feed(self.arrays)
+
+    def run(self, feed, collect, update=True):
+        """feed(arrays, rows=None) writes the inputs (Feeding); collect(arrays) reads the
+        outputs, which it returns. update=False skips the SGD update steps (wherever they sit)."""
+        self.load(feed)
         for step in (self.steps if update else self.no_update):
             step()
         return collect(self.arrays)
@@ -96,6 +113,7 @@ class DynamicExecutor:
                                     if name in plan.group_of}) for step in program.steps]
         self.bound = [None] * len(program.steps)
         self.views = Views(arena)
+        self.feeding = Feeding()
 
     def _array(self, name, offsets):
         if name in self.persistent_arrays:
@@ -111,7 +129,9 @@ class DynamicExecutor:
         offsets = [None] * len(groups)
         program_steps = self.program.steps
         end = len(program_steps)
-        inputs = [n for n, b in self.program.buffers.items() if b.category == "input"]
+        # a micro-batch's rows of an input are its feed step's, not the run's first
+        inputs = [n for n, b in self.program.buffers.items() if b.category == "input" and not b.micro]
+        self.feeding.feed = feed
         for index in range(end):
             for group in self.allocs[index]:
                 offsets[group] = self.pool.malloc(groups[group].nbytes, groups[group].long_lived)
@@ -123,7 +143,7 @@ class DynamicExecutor:
                     step = program_steps[index]
                     arrays = self._arrays(step.buffer_names(), offsets)
                     self.bound[index] = (key, bind_step(step, arrays, self.xp, self.solver, self.stats,
-                                                                   self.comm))
+                                                                   self.comm, self.feeding))
                 self.bound[index][1]()
             if index < end - 1:
                 for group in self.frees[index]:

@@ -388,9 +388,15 @@ class Net:
                 check_labels(value, labels[top])
         device = is_gpu(self.xp)
 
-        def feed(arrays):
+        def feed(arrays, rows=None):
+            """Each input the arrays name (an input the front reads a micro-batch at a time is
+            fed by the program's feed steps, its rows first:end as `rows` says)."""
             for top, value in zip(tops, inputs):
-                target = arrays[f"blob:{top}"]
+                target = arrays.get(f"blob:{top}")
+                if target is None:
+                    continue
+                if rows is not None:
+                    value = value[rows[0]:rows[1]]
                 if device:   # one host-to-device copy into the arena (no device temporary)
                     target.set(np.ascontiguousarray(to_numpy(value), dtype=target.dtype))
                 else:

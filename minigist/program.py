@@ -146,8 +146,8 @@ class Program:
         for name in self.outputs.values():
             self.buffers[name].last_use = end
         for buffer in self.buffers.values():
-            if buffer.category == INPUT:
-                buffer.first_use = 0    # written by the executor before the first step
+            if buffer.category == INPUT and not buffer.micro:
+                buffer.first_use = 0    # written by the executor before the first step (a micro-batch's rows: by a feed step)
         unused = [b.name for b in self.buffers.values() if b.first_use < 0]
         for name in unused:
             del self.buffers[name]

@@ -11,6 +11,7 @@ from minigist.checkpoint import check_optimized_plan
 from minigist.errors import MinigistError
 from minigist.optimize import Optimizer, RecordedPlan, Settings
 from minigist.pipeline import Options, compile
+from minigist.program import names_in
 from test_gist import batches, model
 
 VGG = model("vgg_small")
@@ -194,25 +195,38 @@ def test_the_command_lines_span_is_the_libraries(tmp_path):
     assert report["footprint_bytes"] == with_spans.plan.footprint_bytes
 
 
-def test_a_fronts_replays_and_backward_decode_their_own_rows_of_the_net_input_in_fp16(tmp_path):
-    """The net's input in fp16 (DPR, lossy) behind a micro-batched front: each micro-batch's
-    replays and backward read their rows of it, decoded for that micro-batch alone (a per-sample
-    code read in slices would cut rows of a slice buffer, and the step failed). The forward reads
-    the fp32 input, so the first loss is the whole front's; the replays rebuild the front from
-    the fp16 input, so the gradients are not."""
+def test_a_front_feeds_each_micro_batch_its_rows_of_the_net_input_and_never_holds_it_whole(tmp_path):
+    """Behind a micro-batched front the net's input is fed a micro-batch at a time, into a
+    buffer of that micro-batch's rows, and fed again where the backward replays the front: no
+    whole input in the arena, nothing of it stashed (so an fp16 override of it has nothing to
+    encode), and the same bits as the whole front."""
     path = tmp_path / "two_pools.prototxt"
     path.write_text(TWO_POOLS)
     rng = np.random.default_rng(0)
     data = [(rng.standard_normal((8, 3, 224, 224)).astype(np.float32), rng.integers(0, 3, 8)) for _ in range(2)]
-    options = Options(batch_size=8, update="fused", chunk_bytes=1, gist="lossless", overrides={"data": "fp16"})
+    options = Options(batch_size=8, update="fused", chunk_bytes=1, gist="lossless")
 
     def run(options):
         net = minigist.Net(str(path), seed=1, plan=Settings(options), solver=minigist.SGD(lr=0.01, momentum=0.9))
         return net, [net.train_step(*batch) for batch in data]
-    _, expected = run(options)
+    whole, expected = run(options)
     net, losses = run(options.replace(microbatch=("pool1", 2)))
-    assert losses[0] == expected[0] and np.isfinite(losses).all()
+    assert losses == expected
+    _, lossy = run(options.replace(microbatch=("pool1", 2), overrides={"data": "fp16"}))
+    assert lossy == expected
     program = net.programs["train"]
-    decodes = [s for s in program.steps if s.kind == "decode" and s.note == "data"]
-    assert [s.args["sample_range"] for s in decodes] == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert {program.buffers[s.args["out"]].shape[0] for s in decodes} == {2}
+    assert "blob:data" in whole.programs["train"].buffers and "blob:data" not in program.buffers
+    feeds = [(s.kind, s.args["samples"], program.buffers[s.args["y"][0]].shape)
+             for s in program.steps if type(s.op).__name__ == "Feed"]
+    assert feeds == ([("forward", (k, k + 2), (2, 3, 224, 224)) for k in range(0, 8, 2)]
+                     + [("recompute", (k, k + 2), (2, 3, 224, 224)) for k in range(0, 8, 2)])
+    assert not any(s.kind in ("encode", "decode") and s.note == "data" for s in program.steps)
+    for step_index, step in enumerate(program.steps):
+        if type(step.op).__name__ == "Feed":
+            fed = program.buffers[step.args["y"][0]]
+            readers = [i for i, s in enumerate(program.steps) if fed.name in names_in(s.args.get("x"))]
+            assert (fed.first_use, fed.last_use) == (step_index, max(readers))
+    # at the peak: the whole batch of images; with the front at most one micro-batch's rows
+    # and the labels (256 bytes aligned)
+    assert whole.report()["peak_by_category"]["input"] == 8 * 3 * 224 * 224 * 4
+    assert net.report()["peak_by_category"]["input"] <= 2 * 3 * 224 * 224 * 4 + 256

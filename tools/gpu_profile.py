@@ -40,7 +40,7 @@ def profile(model, gist, batch_size, repeats, device):
     executor, program = net.executors["train"], net.compiled["train"].program
     device_ms, host_ms, labels, groups = {}, {}, {}, {}
     for run in range(repeats):
-        net._feeder("train", batches[run % 2])(executor.arrays)
+        executor.load(net._feeder("train", batches[run % 2]))
         events = [cupy.cuda.Event() for _ in range(len(program.steps) + 1)] if cupy else None
         host = []
         if cupy:

@@ -178,8 +178,9 @@ class _Builder:
         """A rules.Choice per stashed buffer: a per-layer or per-tensor override, else the first
         rule's (codecs/rules.py: the user's first, then the built-in ones)."""
         program, config = self.program, self.config
+        # a micro-batch's rows of an input are fed where they are read (passes/microbatch.py)
         stashed = [b for b in program.buffers.values()
-                   if b.name in self.readers and b.category in (STASH, INPUT)]
+                   if b.name in self.readers and (b.category == STASH or (b.category == INPUT and not b.micro))]
         # blobs (ReLU outputs) first: a fused ReLU->MaxPool code decides the pool's argmax too
         stashed.sort(key=lambda b: 0 if b.kind == "blob" else 1)
         for buffer in stashed:

@@ -16,7 +16,12 @@ Provides: a new program where
   ("recompute" steps: Replay ops) into buffers of that micro-batch, then the front's backward
   steps run on them, reading rows of `through`'s gradient; from the second micro-batch on they
   add into the parameter gradients (args "accumulate");
-- the update steps of the front's layers come after the last micro-batch.
+- the update steps of the front's layers come after the last micro-batch;
+- a net input that only the front reads (the images) is never whole in the arena: before each
+  micro-batch's forward, and again before its replays, a Feed op (a step of the data layer)
+  copies that micro-batch's rows of the run's batch into a buffer of its own, as the executor
+  copies a whole input before the first step. Re-reading the rows is the data layer's
+  recomputation: its forward is a copy, and the batch is the caller's, on the host.
 Liveness is recomputed; the rest of the program is left as it is.
 
 Exactness: every layer of the front computes each sample alone, and its micro-batch is a whole
@@ -42,11 +47,24 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import MinigistError
-from ..program import FEATURE, GRADIENT, STASH, WORKSPACE, Buffer, Program, Step, names_in, of_micro
+from ..program import FEATURE, GRADIENT, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in, of_micro
 from .recompute import Replay
 
 # roles whose buffers a step reads or writes a sample per row (parameters are whole)
 _BATCH_ROLES = ("x", "y", "gy", "gx")
+
+
+class Feed:
+    """A micro-batch's rows of the net's input `top`, copied from the batch of the run (as the
+    executor feeds a whole input before the first step) into the micro-batch's own buffer."""
+    needs = ("feeding",)
+
+    def __init__(self, top):
+        self.top = top
+
+    def bind(self, step, arrays, xp, stats, feeding):
+        target, rows, name = arrays[step.args["y"][0]], step.args["samples"], f"blob:{self.top}"
+        return lambda: feeding.feed({name: target}, rows)
 
 
 def check_samples(samples, batch, flag="--microbatch"):
@@ -232,8 +250,25 @@ class _Builder:
                         or (b.kind == "saved" and b.layer in self.names))
         internal.update(name for step in program.steps if step.layer is not None and step.layer.name in self.names
                         and step.kind in ("forward", "backward") for name in names_in(step.args.get("ws")))
+        # the net's inputs only the front reads: each micro-batch's rows are fed into a buffer of
+        # its own, again where the front replays it, and the whole batch never sits in the arena
+        self.fed = {} if keep else self.fed_inputs()
+        internal.update(self.fed)
         self.internal = internal
         self.buffers = {name: replace(b) for name, b in program.buffers.items() if name not in internal}
+
+    def fed_inputs(self):
+        """{blob buffer: top} of the net's inputs that only the front reads."""
+        graph, inside = self.graph, set(self.front)
+        fed = {}
+        for node in graph.nodes:
+            for top in node.tops if node.layer.is_data else ():
+                buffer = self.program.buffers.get(f"blob:{top}")
+                consumers = graph.blobs[top].consumers
+                if buffer is not None and buffer.category == INPUT and consumers and \
+                        all(c in inside for c, _ in consumers):
+                    fed[buffer.name] = top
+        return fed
 
     # ---- buffers ------------------------------------------------------------------------
     def local(self, name, tag):
@@ -247,7 +282,7 @@ class _Builder:
             original = self.program.buffers[name]
             shape = (self.samples,) + tuple(original.shape[1:])
             # a span keeps each micro-batch's stashes for its backward; the front rebuilds them
-            category = original.category if self.keep or original.category == GRADIENT else FEATURE
+            category = original.category if self.keep or original.category in (GRADIENT, INPUT) else FEATURE
             self.buffers[local] = Buffer(local, shape, original.dtype, category, original.layer,
                                          kind=original.kind, tensor=original.tensor, part=original.part, micro=tag)
         return local
@@ -282,6 +317,15 @@ class _Builder:
     # ---- steps --------------------------------------------------------------------------
     def clone(self, layer):
         return self.clones[layer.name]
+
+    def feeds(self, steps, k, replay):
+        """The feed steps of micro-batch k's rows of the inputs that `steps` read."""
+        tag = f"{'r' if replay else 'f'}{k}"
+        read = {name for step in steps for name in names_in(step.args.get("x"))}
+        rows = (k * self.samples, (k + 1) * self.samples)
+        return [Step("recompute" if replay else "forward", self.graph.nodes[self.graph.blobs[top].producer].layer,
+                     {"y": [self.local(name, tag)], "samples": rows, "whole": []}, op=Feed(top))
+                for name, top in self.fed.items() if name in read]
 
     def forward(self, step, k, replay):
         """The forward step (replay: a recompute step in the backward pass) of micro-batch k."""
@@ -349,13 +393,20 @@ class _Builder:
         for index, step in enumerate(steps):
             if index == positions[0]:
                 for k in range(count):
+                    result.extend(self.feeds(forward_steps, k, replay=False))
                     result.extend(self.forward(s, k, replay=False) for s in forward_steps)
             if index in skipped:
                 continue
             if touches and index == touches[0]:
                 for k in range(count):
+                    result.extend(self.feeds(replays + front_backward, k, replay=True))
                     result.extend(self.forward(s, k, replay=True) for s in replays)
                     result.extend(self.backward(s, k) for s in front_backward)
+                continue
+            if self.fed and step.kind == "forward" and step.layer is not None and step.layer.is_data:
+                # the data layer writes nothing itself (the executor feeds its tops)
+                result.append(replace(step, args={**step.args, "y": [None if name in self.fed else name
+                                                                     for name in step.args["y"]]}))
                 continue
             result.append(step)
         through = self.buffers[self.through]
