@@ -39,7 +39,7 @@ def same_training(options, changed, data):
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])
 @pytest.mark.parametrize("gist", ["none", "lossless"])
 @pytest.mark.parametrize("spans, front", [((SPAN,), ()), ((("pool2", "pool3", 4),), ("pool1", 2)),
-                                          ((SPAN, ("pool2", "pool3", 1)), ())])
+                                          ((SPAN, ("pool2", "pool3", 1)), ()), ((("data", "pool1", 2),), ())])
 def test_a_span_trains_bit_identically(alloc, gist, spans, front):
     options = BASE.replace(alloc=alloc, gist=gist)
     net = same_training(options, options.replace(spans=spans, microbatch=front), batches(2, batch_size=8))

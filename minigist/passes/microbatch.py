@@ -250,9 +250,10 @@ class _Builder:
                         or (b.kind == "saved" and b.layer in self.names))
         internal.update(name for step in program.steps if step.layer is not None and step.layer.name in self.names
                         and step.kind in ("forward", "backward") for name in names_in(step.args.get("ws")))
-        # the net's inputs only the front reads: each micro-batch's rows are fed into a buffer of
-        # its own, again where the front replays it, and the whole batch never sits in the arena
-        self.fed = {} if keep else self.fed_inputs()
+        # the net's inputs only the front (a span from the input) reads: each micro-batch's rows
+        # are fed into a buffer of its own, again for its backward, and the whole batch never
+        # sits in the arena
+        self.fed = self.fed_inputs()
         internal.update(self.fed)
         self.internal = internal
         self.buffers = {name: replace(b) for name, b in program.buffers.items() if name not in internal}
@@ -298,13 +299,14 @@ class _Builder:
             names[part] = name
         return names
 
-    def rename(self, value, tag):
+    def rename(self, value, tag, fed_tag=None):
+        """`value` with micro-batch `tag`'s buffers (`fed_tag`'s for a fed input, where given)."""
         if isinstance(value, str):
-            return self.local(value, tag)
+            return self.local(value, fed_tag if fed_tag and value in self.fed else tag)
         if isinstance(value, dict):
-            return {key: self.rename(v, tag) for key, v in value.items()}
+            return {key: self.rename(v, tag, fed_tag) for key, v in value.items()}
         if isinstance(value, list):
-            return [self.rename(v, tag) for v in value]
+            return [self.rename(v, tag, fed_tag) for v in value]
         return value
 
     def sliced(self, args, original, k, tag):
@@ -319,8 +321,9 @@ class _Builder:
         return self.clones[layer.name]
 
     def feeds(self, steps, k, replay):
-        """The feed steps of micro-batch k's rows of the inputs that `steps` read."""
-        tag = f"{'r' if replay else 'f'}{k}"
+        """The feed steps of micro-batch k's rows of the inputs that `steps` read (`replay`: in
+        the backward pass)."""
+        tag = f"{'r' if replay else 'm' if self.keep else 'f'}{k}"
         read = {name for step in steps for name in names_in(step.args.get("x"))}
         rows = (k * self.samples, (k + 1) * self.samples)
         return [Step("recompute" if replay else "forward", self.graph.nodes[self.graph.blobs[top].producer].layer,
@@ -343,8 +346,9 @@ class _Builder:
         if step.layer is None:      # a zero fill or an accumulation of the front's gradients
             return Step(step.kind, None, self.rename(dict(step.args), tag), op=step.op, note=step.note)
         clone = self.clone(step.layer)
-        args = {role: (value if role in ("p", "gp") else self.rename(value, tag)) for role, value in step.args.items()
-                if role != "ws"}
+        # a span's backward reads its input's rows fed again, not kept since its forward
+        args = {role: (value if role in ("p", "gp") else self.rename(value, tag, f"r{k}"))
+                for role, value in step.args.items() if role != "ws"}
         gx_needed = tuple(name is not None for name in step.args["gx"])
         args["ws"] = self.workspace(clone, "backward", tag, gx_needed)
         if k and any(name is not None for name in step.args.get("gp") or ()):
