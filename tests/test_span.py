@@ -39,7 +39,8 @@ def same_training(options, changed, data):
 @pytest.mark.parametrize("alloc", ["static", "dynamic"])
 @pytest.mark.parametrize("gist", ["none", "lossless"])
 @pytest.mark.parametrize("spans, front", [((SPAN,), ()), ((("pool2", "pool3", 4),), ("pool1", 2)),
-                                          ((SPAN, ("pool2", "pool3", 1)), ()), ((("data", "pool1", 2),), ())])
+                                          ((SPAN, ("pool2", "pool3", 1)), ()), ((("data", "pool1", 2),), ()),
+                                          ((SPAN,), ("pool1", 2))])
 def test_a_span_trains_bit_identically(alloc, gist, spans, front):
     options = BASE.replace(alloc=alloc, gist=gist)
     net = same_training(options, options.replace(spans=spans, microbatch=front), batches(2, batch_size=8))
@@ -53,6 +54,26 @@ def test_a_span_trains_bit_identically(alloc, gist, spans, front):
         assert [bool(s.args.get("accumulate")) for s in backward] == [False] + [True] * (8 // samples - 1)
         # no replay: each micro-batch's backward reads what its forward kept
         assert not any(s.kind == "recompute" and s.layer.name == first for s in program.steps)
+
+
+def test_a_span_behind_the_front_runs_each_micro_batch_inside_the_fronts_backward():
+    """A span from the front's last top at the front's micro-batch: each micro-batch's backward
+    of the span runs right after the front's replays of that micro-batch and reads their copy
+    of pool1, so pool1 is no stash; the span's updates follow its last micro-batch."""
+    options = BASE.replace(gist="lossless", spans=(SPAN,), microbatch=("pool1", 2))
+    program = compile(VGG, options).program
+    assert program.buffers["blob:pool1"].category == "feature"
+    assert "blob:pool1" not in program.encodings
+    labels = [s.label + (f"#{s.args['samples'][0]}" if "samples" in s.args else "") for s in program.steps]
+    for k in range(0, 8, 2):
+        replay = labels.index(f"recompute:pool1#{k}")
+        span = labels.index(f"backward:conv2_1#{k}")
+        assert replay < span < labels.index(f"backward:pool1#{k}")
+        step = program.steps[span]
+        assert f"blob:pool1#r{k // 2}" in step.args["x"] and "blob:pool1" not in step.args["whole"]
+    assert labels.index("backward:conv2_1#6") < labels.index("update:conv2_1") < labels.index("backward:pool1#6")
+    whole = compile(VGG, BASE.replace(gist="lossless", microbatch=("pool1", 2))).plan.footprint_bytes
+    assert compile(VGG, options).plan.footprint_bytes < whole
 
 
 def test_each_micro_batch_keeps_its_own_stashes_and_the_plan_is_exact():

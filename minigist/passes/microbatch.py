@@ -229,12 +229,13 @@ def apply_span(program, start, through, samples, clones):
     time (no replay: see the module docstring); `program` itself is left unchanged. A one-line
     MinigistError (naming --microbatch-span) when it cannot be."""
     span = check_span(program, start, through, samples)
-    return _Builder(program, through, samples, clones, span, keep=True).build()
+    return _Builder(program, through, samples, clones, span, keep=True, start=start).build()
 
 
 class _Builder:
-    def __init__(self, program, through, samples, clones, front, keep=False):
+    def __init__(self, program, through, samples, clones, front, keep=False, start=None):
         self.program = program
+        self.start = start
         self.graph = graph = program.graph
         self.clones = {layer.name: layer for layer in clones.layers}
         self.samples = samples
@@ -355,6 +356,41 @@ class _Builder:
             args["accumulate"] = True
         return Step("backward", clone, self.sliced(args, step.args, k, tag), op=step.op)
 
+    def join_front(self, steps, blocks):
+        """`steps` with each micro-batch's backward of the span (`blocks`, in order) moved into
+        the front's, right after the front's replays of that micro-batch, where the span starts
+        at the front's last top at the front's micro-batch and those replays rebuild its rows
+        of START: the span's backward then reads that copy, and START needs no stash. The span's
+        updates follow its last micro-batch. Each layer still adds its micro-batches' gradients
+        in their order, so the bits are the same. `steps` unchanged where the two do not meet."""
+        start = f"blob:{self.start}"
+        rebuilt = [of_micro(start, f"r{k}") for k in range(len(blocks))]
+        last_replay = {}
+        for index, step in enumerate(steps):
+            if step.kind == "recompute" and "samples" in step.args and step.layer.name not in self.names:
+                first, end = step.args["samples"]
+                if end - first != self.samples:
+                    return steps
+                last_replay[first // self.samples] = index
+        if not blocks or sorted(last_replay) != list(range(len(blocks))) or \
+                any(name not in self.buffers or not any(name in names_in(s.args.get("y")) for s in steps)
+                    for name in rebuilt):
+            return steps
+        moved = {id(step) for block in blocks for step in block}
+        updates = [step for step in steps if step.kind == "update" and step.layer is not None
+                   and step.layer.name in self.names]
+        moved.update(id(step) for step in updates)
+        joined = []
+        for index, step in enumerate(steps):
+            if id(step) not in moved:
+                joined.append(step)
+            for k, at in last_replay.items():
+                if index == at:
+                    joined.extend(_renamed(step, start, rebuilt[k]) for step in blocks[k])
+                    if k == len(blocks) - 1:
+                        joined.extend(updates)
+        return joined
+
     def needed_replays(self, forward_steps, backward_steps):
         """The front's forward steps whose tops or saved tensors its backward reads, with those
         they read in turn."""
@@ -392,7 +428,7 @@ class _Builder:
                    or (steps[i].kind in ("zero", "accumulate") and any(n in self.internal for n in steps[i].buffer_names()))]
         front_backward = [steps[i] for i in touches]
         replays = [] if self.keep else self.needed_replays(forward_steps, front_backward)
-        result = []
+        result, blocks = [], []
         skipped = set(positions) | set(touches[1:])
         for index, step in enumerate(steps):
             if index == positions[0]:
@@ -403,9 +439,11 @@ class _Builder:
                 continue
             if touches and index == touches[0]:
                 for k in range(count):
-                    result.extend(self.feeds(replays + front_backward, k, replay=True))
-                    result.extend(self.forward(s, k, replay=True) for s in replays)
-                    result.extend(self.backward(s, k) for s in front_backward)
+                    block = self.feeds(replays + front_backward, k, replay=True)
+                    block += [self.forward(s, k, replay=True) for s in replays]
+                    block += [self.backward(s, k) for s in front_backward]
+                    blocks.append(block)
+                    result.extend(block)
                 continue
             if self.fed and step.kind == "forward" and step.layer is not None and step.layer.is_data:
                 # the data layer writes nothing itself (the executor feeds its tops)
@@ -413,9 +451,30 @@ class _Builder:
                                                                      for name in step.args["y"]]}))
                 continue
             result.append(step)
-        through = self.buffers[self.through]
-        if not self.keep and through.category == STASH and not any(self.through in s.buffer_names() for s in result if s.kind != "forward"):
-            through.category = FEATURE      # read by no backward step outside the front
+        if self.keep:
+            result = self.join_front(result, blocks)
+            read_back = f"blob:{self.start}"
+        else:
+            read_back = self.through
+        buffer = self.buffers.get(read_back)    # (a fed input is gone)
+        if buffer is not None and buffer.category == STASH and not any(read_back in s.buffer_names() for s in result if s.kind != "forward"):
+            buffer.category = FEATURE      # read by no backward step (past the front; by the span's, joined)
         out = Program(graph, self.buffers, result, program.outputs, program.loss_weights)
         out.encodings = dict(program.encodings)
         return out
+
+
+def _renamed(step, old, new):
+    """`step` reading buffer `new` where it read `old` (rows of it, where `old` was whole)."""
+    def swap(value):
+        if isinstance(value, str):
+            return new if value == old else value
+        if isinstance(value, dict):
+            return {key: swap(v) for key, v in value.items()}
+        if isinstance(value, list):
+            return [swap(v) for v in value]
+        return value
+    args = {role: swap(value) for role, value in step.args.items() if role != "whole"}
+    if "whole" in step.args:
+        args["whole"] = [name for name in step.args["whole"] if name != old]
+    return replace(step, args=args)
