@@ -209,25 +209,28 @@ def test_replays_reading_coded_sources_a_slice_at_a_time_keep_cupy_rules(monkeyp
 
 
 @pytest.mark.parametrize("gist", ["lossless", "all"])
-def test_a_front_and_a_span_decoding_their_rows_keep_cupy_rules(tmp_path, monkeypatch, gist):
-    """A front through pool1 and the span behind it, a sample at a time, every chunk one sample
-    and every stash large enough to decode in parts: each micro-batch's encodes, its decodes of
-    its own rows (the net's input under all, pool1) and its steps on rows of whole tensors keep
-    the rules, with the numpy path's losses."""
+@pytest.mark.parametrize("front", [("pool1", 1), ()])
+def test_a_front_and_a_span_feeding_and_decoding_their_rows_keep_cupy_rules(tmp_path, monkeypatch, gist, front):
+    """The span through pool2 a sample at a time, behind a front through pool1 (the net's input
+    fed a micro-batch's rows at a time, the span's backward inside the front's) or alone
+    (pool1, whole, decoded a micro-batch's rows at a time under all), every chunk one sample
+    and every stash large enough to decode in parts: each micro-batch's feeds, encodes,
+    decodes and steps on rows of whole tensors keep the rules, with the numpy path's losses."""
     from minigist.layers.conv import Convolution
+    from minigist.passes.microbatch import Feed
     from test_span import TWO_POOLS
     monkeypatch.setattr(minigist.pipeline, "GPU_CHUNK_BYTES", 1)
     monkeypatch.setattr(Convolution, "chunk_bytes", 1)
     monkeypatch.setattr(minigist.passes.gist, "STREAM_MIN_BYTES", 0)
     path = tmp_path / "two_pools.prototxt"
     path.write_text(TWO_POOLS.replace("dim: 224 dim: 224", "dim: 16 dim: 16"))
-    report = check_training(str(path), gist, batch_size=2, steps=1, microbatch=("pool1", 1),
+    report = check_training(str(path), gist, batch_size=2, steps=1, microbatch=front,
                             spans=(("pool1", "pool2", 1),))
     assert report.all_violations() == [], report.lines()
     assert report.summary()["host_syncs_per_step"] <= 2
     steps = report.net.programs["train"].steps
-    # under all the net's input is in fp16, each micro-batch decoding its rows
-    assert any(s.kind == "decode" and "sample_range" in s.args for s in steps) == (gist == "all")
+    assert any(isinstance(s.op, Feed) for s in steps) == bool(front)
+    assert any(s.kind == "decode" and "sample_range" in s.args for s in steps) == (gist == "all" and not front)
     assert any(s.kind == "backward" and s.layer.name == "conv2" and "samples" in s.args for s in steps)
 
 

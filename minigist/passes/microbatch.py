@@ -36,7 +36,11 @@ A span (apply_span) is the same loop over a cut of the net past the front, from 
 front's does, each micro-batch's stashes stay buffers of that micro-batch (category stash, their
 `micro` tag naming it) until its backward. The backward runs a micro-batch at a time where the
 span's backward starts, each reading the stashes its own forward kept and rows of `through`'s
-gradient, and writing rows of `start`'s gradient.
+gradient, and writing rows of `start`'s gradient. A span from the front's last top at the
+front's micro-batch joins the front's backward loop instead (_Builder.join_front): each
+micro-batch's backward of the span runs right after the front's replays of that micro-batch and
+reads their copy of `start`, which then needs no stash. A span from the net's input feeds its
+rows as the front does.
 
 Order: after recomputation, which may not touch the front (its tensors are rebuilt here), and
 before Gist, which then sees only `through` of the front, written by several steps, and
