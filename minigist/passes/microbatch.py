@@ -393,7 +393,30 @@ class _Builder:
                     joined.extend(_renamed(step, start, rebuilt[k]) for step in blocks[k])
                     if k == len(blocks) - 1:
                         joined.extend(updates)
-        return joined
+        return self.local_start_gradient(joined)
+
+    def local_start_gradient(self, steps):
+        """`steps` with START's gradient a buffer per micro-batch where only micro-batch steps
+        name it (the span's backward writes a micro-batch's rows, the front's backward of the
+        same micro-batch reads them right after): it is then never whole."""
+        name = f"grad:{self.start}"
+        whole = self.buffers.get(name)
+        if whole is None or any(name in s.buffer_names() and "samples" not in s.args for s in steps):
+            return steps
+        local = []
+        for step in steps:
+            if name in step.buffer_names():
+                first, end = step.args["samples"]
+                tag = f"g{first // self.samples}"
+                part = of_micro(name, tag)
+                if part not in self.buffers:
+                    self.buffers[part] = Buffer(part, (end - first,) + tuple(whole.shape[1:]), whole.dtype,
+                                                whole.category, whole.layer, kind=whole.kind, tensor=whole.tensor,
+                                                part=whole.part, micro=tag)
+                step = _renamed(step, name, part)
+            local.append(step)
+        del self.buffers[name]
+        return local
 
     def needed_replays(self, forward_steps, backward_steps):
         """The front's forward steps whose tops or saved tensors its backward reads, with those
