@@ -384,15 +384,16 @@ class _Builder:
         updates = [step for step in steps if step.kind == "update" and step.layer is not None
                    and step.layer.name in self.names]
         moved.update(id(step) for step in updates)
+        micro_batch_at = {at: k for k, at in last_replay.items()}
         joined = []
         for index, step in enumerate(steps):
             if id(step) not in moved:
                 joined.append(step)
-            for k, at in last_replay.items():
-                if index == at:
-                    joined.extend(_renamed(step, start, rebuilt[k]) for step in blocks[k])
-                    if k == len(blocks) - 1:
-                        joined.extend(updates)
+            k = micro_batch_at.get(index)
+            if k is not None:
+                joined.extend(_renamed(step, start, rebuilt[k]) for step in blocks[k])
+                if k == len(blocks) - 1:
+                    joined.extend(updates)
         return self.local_start_gradient(joined)
 
     def local_start_gradient(self, steps):
