@@ -57,7 +57,7 @@ def main():
                     for m in ((), front)]
             programs = [net.compiled["train"].program for net in nets]
             predicted = rates.program_seconds(programs[1]) / rates.program_seconds(programs[0]) - 1
-            overhead = side_by_side(nets, data, args.repeats)
+            overhead, _ = side_by_side(nets, data, args.repeats)
             same = all(np.array_equal(value, nets[1].params()[key]) for key, value in nets[0].params().items())
             ratio = nets[0].report()["footprint_bytes"] / nets[1].report()["footprint_bytes"]
             print(f"| {front[0]}:{front[1]} | {ratio:.2f}x | {100 * predicted:+.1f}% | {100 * overhead:+.1f}% "
