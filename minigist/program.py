@@ -84,6 +84,21 @@ def names_in(value):
     return []
 
 
+def renamed_in(value, renames):
+    """One step argument with each buffer name in `renames` replaced by what it maps to, in
+    the shapes names_in reads (a name, a list or tuple of names, a dict of names); what is not a
+    name is left as it is."""
+    if not renames:
+        return value
+    if isinstance(value, str):
+        return renames.get(value, value)
+    if isinstance(value, dict):
+        return {key: renames.get(v, v) if isinstance(v, str) else v for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(renames.get(v, v) if isinstance(v, str) else v for v in value)
+    return value
+
+
 @dataclass
 class Step:
     """One step. `kind` is forward, backward, seed, zero, accumulate or update, or a kind a

@@ -49,7 +49,7 @@ from ..codecs.bits import BitMask, PackedCodes
 from ..codecs.dpr import DPR, HalfStash
 from ..codecs.segmented import PerSample
 from ..codecs.ssdc import SSDC
-from ..program import (ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in, of_micro,
+from ..program import (ENCODED, FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in, of_micro, renamed_in,
                        stash_key)
 from .gist_steps import (Decode, DecodeRows, Encode, IdentityBackward, MaskBackward, StreamedBackward, StreamedReplay,
                          WriteCodes)
@@ -384,7 +384,7 @@ class _Builder:
     def renamed(self, index, step, renames):
         """Step `index`'s args with the stashes it reads renamed to what it reads instead; rows
         decoded for its micro-batch alone are no longer cut from a whole tensor."""
-        args = {role: _rename(value, renames) for role, value in step.args.items()}
+        args = {role: renamed_in(value, renames) for role, value in step.args.items()}
         if index in self.row_decoded:
             args["whole"] = [n for n in args["whole"] if n not in self.row_decoded[index]]
         return args
@@ -508,18 +508,6 @@ def _ssdc_formats(density):
     larger; above about 11% non-zeros the bitmap is always the smaller (1 bit per element
     against one index byte per non-zero), so a denser bound reserves for the bitmap alone."""
     return ("bitmap",) if density > 0.1 else ("csr", "bitmap")
-
-
-def _rename(value, renames):
-    if not renames:
-        return value
-    if isinstance(value, dict):
-        return {k: renames.get(v, v) if isinstance(v, str) else v for k, v in value.items()}
-    if isinstance(value, list):
-        return [renames.get(v, v) if isinstance(v, str) else v for v in value]
-    if isinstance(value, str):
-        return renames.get(value, value)
-    return value
 
 
 def _copy(buffer):

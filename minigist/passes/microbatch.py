@@ -51,7 +51,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import MinigistError
-from ..program import FEATURE, GRADIENT, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in, of_micro
+from ..program import FEATURE, GRADIENT, INPUT, STASH, WORKSPACE, Buffer, Program, Step, names_in, of_micro, renamed_in
 from .recompute import Replay
 
 # roles whose buffers a step reads or writes a sample per row (parameters are whole)
@@ -494,15 +494,7 @@ class _Builder:
 
 def _renamed(step, old, new):
     """`step` reading buffer `new` where it read `old` (rows of it, where `old` was whole)."""
-    def swap(value):
-        if isinstance(value, str):
-            return new if value == old else value
-        if isinstance(value, dict):
-            return {key: swap(v) for key, v in value.items()}
-        if isinstance(value, list):
-            return [swap(v) for v in value]
-        return value
-    args = {role: swap(value) for role, value in step.args.items() if role != "whole"}
+    args = {role: renamed_in(value, {old: new}) for role, value in step.args.items() if role != "whole"}
     if "whole" in step.args:
         args["whole"] = [name for name in step.args["whole"] if name != old]
     return replace(step, args=args)

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..errors import MinigistError
 from ..executor import arrays_for
-from ..program import FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step
+from ..program import FEATURE, INPUT, STASH, WORKSPACE, Buffer, Program, Step, renamed_in
 from .gist import Encoding
 
 
@@ -185,8 +185,10 @@ class _Builder:
         for index, step in enumerate(self.steps):
             steps.extend(segments.get(index, []))
             if step.kind == "backward":
-                step = Step(step.kind, step.layer, {role: _rename(value, self.rebuilt, role)
-                                                    for role, value in step.args.items()}, op=step.op)
+                # Only the stash roles read the rebuilt copies; gy and gx stay the gradients.
+                step = Step(step.kind, step.layer,
+                            {role: renamed_in(value, self.rebuilt) if role in ("x", "y") else value
+                             for role, value in step.args.items()}, op=step.op)
             steps.append(step)
         for name in self.dropped:
             self.buffers[name].category = FEATURE    # read by the forward pass only
@@ -196,13 +198,6 @@ class _Builder:
         for name in self.dropped:
             result.encodings[name] = Encoding(name, None, "recomputed", [], self.rebuilt[name])
         return result
-
-
-def _rename(value, rebuilt, role):
-    """A backward step's argument reading the rebuilt copies (only its stash roles)."""
-    if role not in ("x", "y"):
-        return value
-    return [rebuilt.get(name, name) if isinstance(name, str) else name for name in value]
 
 
 def apply_recompute(program, tensors, shared=()):
