@@ -46,6 +46,10 @@ Lower bounds: `floor()` (the most bytes one step needs whatever is chosen) and
 `overhead_floor(budget)` (the least predicted overhead any plan within a budget needs, from one
 step at a time) bound every plan from below; the README's frontier table gives the first.
 """
+import contextlib
+import ctypes
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -107,6 +111,38 @@ def _require_scipy():
     except ImportError:
         raise MinigistError("--optimize needs scipy (HiGHS's MILP solver): pip install -e '.[optimize]' in minigist's "
                            "folder, or pip install scipy") from None
+
+
+@contextlib.contextmanager
+def _solver_output_dropped():
+    """File descriptor 1 pointed at the null device while HiGHS solves: the HiGHS in scipy 1.17
+    writes a debugging line, `HighsMipSolverData::transformNewIntegerFeasibleSolution
+    tmpSolver.run();`, to the process's standard output whatever its output options say
+    (ERGO-Code/HiGHS#2783), and it landed in the middle of printed tables. Python's own output
+    is flushed first and C's buffered output before fd 1 is restored, so nothing else moves."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:         # no fd 1 to redirect
+        saved = None
+    if saved is None:
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _flush_c_stdio():
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):     # no C library to reach (not a POSIX build)
+        pass
 
 
 @dataclass
@@ -887,7 +923,8 @@ class Optimizer:
             objective = np.array(seconds)
             options = {"mip_rel_gap": TIME_GAP, "node_limit": node_limit,
                        "mip_heuristic_effort": TIME_HEURISTIC_EFFORT}
-        with warnings.catch_warnings():     # scipy passes HiGHS's own options on, with a warning
+        # scipy passes HiGHS's own options on, with a warning
+        with warnings.catch_warnings(), _solver_output_dropped():
             warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
             result = milp(objective, integrality=integrality, bounds=Bounds(low, high), constraints=constraints,
                           options=options)

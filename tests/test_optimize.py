@@ -18,7 +18,8 @@ from minigist.errors import MinigistError  # noqa: E402
 from minigist.memory.report import live_by_step  # noqa: E402
 from minigist.memory.report import footprint_report  # noqa: E402
 from minigist.optimize import (FIT_CHECK_NODE_LIMIT, NODE_LIMIT, PRIVATE, RECOMPUTE, SHORT_CHAIN,  # noqa: E402
-                               SMALL_CHUNK_BYTES, WITHIN_CHAINS, Optimizer, Settings, _on_base, _positions)
+                               SMALL_CHUNK_BYTES, WITHIN_CHAINS, Optimizer, Settings, _on_base, _positions,
+                               _solver_output_dropped)
 from minigist import optimize_cli  # noqa: E402
 from minigist.checkpoint import check_optimized_plan, read_checkpoint  # noqa: E402
 from minigist.optimize_cli import FRONTIER_POINTS, frontier, profiled_model  # noqa: E402
@@ -585,3 +586,19 @@ def test_a_budget_too_small_for_the_plan_asked_for_points_to_optimize(capsys):
     assert err.count("\n") == 1 and "largest buffers" in err and "; --optimize fits a budget by keeping" in err
     assert train.main(argv + ["--optimize", "--memory-budget", "1MB"]) == 2
     assert "--optimize fits" not in capsys.readouterr().err
+
+
+def test_what_the_solver_writes_to_standard_output_is_dropped_and_nothing_else(capfd):
+    """HiGHS in scipy 1.17 prints a debugging line to fd 1 whatever its options; the solve runs
+    with fd 1 at the null device. Python's and C's output before and after still arrive, in
+    order."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    print("before", flush=True)
+    with _solver_output_dropped():
+        os.write(1, b"from the fd\n")
+        libc.printf(b"from C's stdio\n")     # buffered in C until the manager flushes it
+    libc.printf(b"C after\n")
+    libc.fflush(None)
+    print("after", flush=True)
+    assert capfd.readouterr().out == "before\nC after\nafter\n"
