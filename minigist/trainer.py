@@ -732,6 +732,7 @@ class Trainer:
                 raise MinigistError(f"--memory-budget: {exc}{optimize_hint(args)}") from None
             raise MinigistError(f"--memory-budget: the {args.alloc} plan needs {report['footprint_bytes']:,} "
                                 f"bytes, the budget allows {args.memory_budget:,} bytes{optimize_hint(args)}")
+        report["memory_budget_bytes"] = args.memory_budget
         out(format_report(report))
         if densities_line:
             out(densities_line)
@@ -1011,6 +1012,7 @@ class Trainer:
         report = net.report()
         report["model"] = args.model
         report["densities"] = measured_densities
+        report["memory_budget_bytes"] = args.memory_budget
         report["training"] = {"iterations": iteration, "epochs": round(iteration / ipe, 3),
                               "seconds": round(elapsed, 2),
                               "train_images_per_s": round(train_images / max(train_seconds, 1e-9), 2),

@@ -441,9 +441,21 @@ def test_memory_budget_is_held_against_the_calibrated_plan(tmp_path):
     assert all(np.array_equal(v, net.params()[k]) for k, v in weights.items())
     # the CLI calibrates on mnist-like synthetic data, so give it room between its own two plans
     between = (calibrated + uncalibrated) // 2
+    report_path = tmp_path / "report.json"
     result = run_cli("--model", path, "--data", "synthetic", "--gist", "lossless", "--iters", 1,
-                     "--memory-budget", between, "--eval-every", 0, "--train-eval-size", 0)
+                     "--memory-budget", between, "--eval-every", 0, "--train-eval-size", 0,
+                     "--report-json", report_path)
     assert result.returncode == 0, result.stderr
+    # the run says it met the budget, and by how much
+    report = json.loads(report_path.read_text())
+    assert report["memory_budget_bytes"] == between
+    spare = between - report["footprint_bytes"]
+    assert spare >= 0
+    assert f"memory budget    {between:>16,} B" in result.stdout and f"{spare:,} B to spare" in result.stdout
+    planned = run_cli("--model", path, "--gist", "lossless", "--plan-only", "--memory-budget", 10 * uncalibrated)
+    assert planned.returncode == 0, planned.stderr
+    footprint = int(re.search(r"footprint +([\d,]+) B", planned.stdout).group(1).replace(",", ""))
+    assert f"{10 * uncalibrated - footprint:,} B to spare" in planned.stdout
     one_line_error(run_cli("--model", path, "--data", "synthetic", "--gist", "lossless", "--iters", 1,
                            "--memory-budget", 10_000), "--memory-budget", "weights and optimizer state")
 

@@ -163,6 +163,11 @@ def format_report(report):
              f"({report['peak_step_label']})",
              f"  forward peak     {report['forward_peak_bytes']:>16,} B",
              f"  backward peak    {report['backward_peak_bytes']:>16,} B"]
+    if report.get("memory_budget_bytes") is not None:
+        budget = report["memory_budget_bytes"]
+        spare = budget - report["footprint_bytes"]
+        lines.append(f"  memory budget    {budget:>16,} B  ({_mib(budget)}), "
+                     + (f"{spare:,} B to spare" if spare >= 0 else f"exceeded by {-spare:,} B"))
     if "pool" in report:
         pool = report["pool"]
         lines.append(f"  pool high water  {pool['high_water_bytes']:>16,} B  fragmentation "
