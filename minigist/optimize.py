@@ -118,9 +118,12 @@ def _solver_output_dropped():
     """File descriptor 1 pointed at the null device while HiGHS solves: the HiGHS in scipy 1.17
     writes a debugging line, `HighsMipSolverData::transformNewIntegerFeasibleSolution
     tmpSolver.run();`, to the process's standard output whatever its output options say
-    (ERGO-Code/HiGHS#2783), and it landed in the middle of printed tables. Python's own output
-    is flushed first and C's buffered output before fd 1 is restored, so nothing else moves."""
+    (ERGO-Code/HiGHS#2783), and it landed in the middle of printed tables. Python's and C's
+    buffered output are flushed before fd 1 moves and C's again before it is restored, so nothing
+    else is lost. fd 1 is the process's: two solves in two threads at once could leave it at the
+    null device (the optimizer solves in one thread; train.py refuses --optimize with ranks)."""
     sys.stdout.flush()
+    _flush_c_stdio()
     try:
         saved = os.dup(1)
     except OSError:         # no fd 1 to redirect

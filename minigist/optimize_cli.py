@@ -200,6 +200,7 @@ def plan_only(path, options, args, out=print):
     report = plan_report(path, plan.options)
     report["model"] = args.model
     report["optimizer"] = plan.to_json()
+    report["memory_budget_bytes"] = args.memory_budget
     out(format_report(report))
     for line in plan_lines(plan):
         out(line)

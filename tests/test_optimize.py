@@ -377,6 +377,9 @@ def test_cli_plan_only_prints_decisions_and_writes_the_optimizer_object(tmp_path
     optimizer = report["optimizer"]
     assert {"budget_bytes", "footprint_bytes", "predicted_overhead", "cost_model", "decisions"} <= set(optimizer)
     assert optimizer["footprint_bytes"] == report["footprint_with_evaluation_bytes"] <= 9.2e6
+    # the budget met, with what is left of it beside the larger of the training and evaluation plans
+    assert report["memory_budget_bytes"] == 9_200_000
+    assert f"{9_200_000 - report['footprint_with_evaluation_bytes']:,} B to spare" in out
     assert optimizer["cost_model"].startswith("flops")
     # the reference rates, not this machine's: the same plan on every machine and run
     assert optimizer["cost_model_detail"]["rates"] == "reference"

@@ -165,7 +165,8 @@ def format_report(report):
              f"  backward peak    {report['backward_peak_bytes']:>16,} B"]
     if report.get("memory_budget_bytes") is not None:
         budget = report["memory_budget_bytes"]
-        spare = budget - report["footprint_bytes"]
+        # the budget holds the evaluation plan too (net.py), where it needs more
+        spare = budget - max(report["footprint_bytes"], report.get("footprint_with_evaluation_bytes", 0))
         lines.append(f"  memory budget    {budget:>16,} B  ({_mib(budget)}), "
                      + (f"{spare:,} B to spare" if spare >= 0 else f"exceeded by {-spare:,} B"))
     if "pool" in report:
