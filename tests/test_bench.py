@@ -21,3 +21,14 @@ def test_microbatch_overhead_prints_a_row_and_the_front_keeps_the_weights():
     rows = [line for line in result.stdout.splitlines() if line.startswith("| pool2:4 |")]
     assert len(rows) == 1
     assert re.match(r"\| pool2:4 \| \d+\.\d\dx \| [+-]\d+\.\d% \| [+-]\d+\.\d% \| identical \|$", rows[0])
+
+
+def test_frontier_table_prints_each_cell_on_stderr_as_it_is_found():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "frontier_table.py"), "--models", "alexnet",
+                             "--columns", "lossless bound", "fp16 bound"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    row = [line for line in result.stdout.splitlines() if line.startswith("| alexnet |")]
+    assert len(row) == 1
+    table_cells = [cell.strip() for cell in row[0].strip("|").split("|")[2:]]
+    found = re.findall(r"^alexnet (lossless bound|fp16 bound): (\d+\.\d\dx) after \d+ s$", result.stderr, re.M)
+    assert found == [("lossless bound", table_cells[0]), ("fp16 bound", table_cells[1])]

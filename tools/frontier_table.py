@@ -15,7 +15,7 @@ for the larger ones; the smallest plan of all is the best of every column). "bou
 ratio no plan can pass (Optimizer.floor: the most bytes one step needs whatever is chosen).
 The cost model is FLOPs and bytes at the reference rates (costmodel.reference_model), or
 measured on this machine (one BLAS thread, as train.py's im2col default) with --measure.
-Seconds per network on stderr. `--microbatch vgg16=pool2:4` plans VGG-16 with its front, the
+Each cell as it is found, and seconds per network, on stderr. `--microbatch vgg16=pool2:4` plans VGG-16 with its front, the
 input through pool2, run 4 samples at a time (train.py --microbatch), still against `none` with
 the front whole; `--microbatch auto` (every network) or `vgg16=auto` lets the optimizer choose
 the front with each plan (train.py --microbatch auto), and a cell names the front its plan runs.
@@ -42,11 +42,13 @@ COLUMNS = ["lossless bound", "lossless min", "lossless 10%", "lossless 15%", "lo
            "fp16 min", "fp16 10%", "fp16 15%", "fp16 20%", "fp8 min"]
 
 
-def cells(name, cost, columns, microbatch=(), update="fused"):
+def cells(name, cost, columns, microbatch=(), update="fused", progress=None):
     """{column: (ratio, overhead or None, the plan's Options or None)} of one network (its
     front micro-batched where `microbatch` is (blob, samples), chosen per plan where it is
     "auto"; its SGD update `update`, chosen per plan between fused and blocked where it is
-    "auto"), and its none footprint in bytes (the front whole, the update fused where auto)."""
+    "auto"), and its none footprint in bytes (the front whole, the update fused where auto).
+    `progress(column, cell)` is called as each cell is found (the table prints only at a row's
+    end, and a row can take an hour)."""
     path = os.path.join(ROOT, "models", name + ".prototxt")
     options = Options(batch_size=64, update="fused", conv="im2col", densities=densities(name))
     row, none = {}, None
@@ -62,11 +64,15 @@ def cells(name, cost, columns, microbatch=(), update="fused"):
             kind = column.split()[1]
             if kind == "bound":
                 row[column] = (none / optimizer.floor()[0], None, None)
+                if progress:
+                    progress(column, row[column])
                 continue
             plan = optimizer.smallest() if kind == "min" else optimizer.within(float(kind[:-1]) / 100)
             if plan is not None and (best is None or plan.footprint_bytes < best.footprint_bytes):
                 best = plan
             row[column] = None if best is None else (best.ratio, best.predicted_overhead, best.options)
+            if progress:
+                progress(column, row[column])
     return row, none
 
 
@@ -116,7 +122,12 @@ def main():
     ratios = {}
     for name in args.models:
         started = time.perf_counter()
-        row, none = cells(name, cost, columns, fronts.get(name, ()), args.update)
+
+        def progress(column, cell, name=name, started=started):
+            shown = "-" if cell is None else f"{cell[0]:.2f}x" + ("" if cell[1] is None else f" ({100 * cell[1]:.0f}%)")
+            print(f"{name} {column}: {shown} after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+        row, none = cells(name, cost, columns, fronts.get(name, ()), args.update, progress)
         shown = []
         for column in columns:
             if row.get(column) is None:
