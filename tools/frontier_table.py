@@ -15,10 +15,11 @@ for the larger ones; the smallest plan of all is the best of every column). "bou
 ratio no plan can pass (Optimizer.floor: the most bytes one step needs whatever is chosen).
 The cost model is FLOPs and bytes at the reference rates (costmodel.reference_model), or
 measured on this machine (one BLAS thread, as train.py's im2col default) with --measure.
-Each cell as it is found, and seconds per network, on stderr. `--microbatch vgg16=pool2:4` plans VGG-16 with its front, the
-input through pool2, run 4 samples at a time (train.py --microbatch), still against `none` with
-the front whole; `--microbatch auto` (every network) or `vgg16=auto` lets the optimizer choose
-the front with each plan (train.py --microbatch auto), and a cell names the front its plan runs.
+Each cell as it is found, and seconds per network, on stderr. `--microbatch vgg16=pool2:4`
+plans VGG-16 with its front, the input through pool2, run 4 samples at a time (train.py
+--microbatch), still against `none` with the front whole; `--microbatch auto` (every network)
+or `vgg16=auto` lets the optimizer choose the front with each plan (train.py --microbatch
+auto), and a cell names the front its plan runs.
 `--update auto` lets it choose the SGD update, fused or blocked (a fully connected layer's weight
 gradient made a block of rows at a time), still against `none` with the update fused; a cell
 says where its plan's update is blocked.
@@ -64,13 +65,11 @@ def cells(name, cost, columns, microbatch=(), update="fused", progress=None):
             kind = column.split()[1]
             if kind == "bound":
                 row[column] = (none / optimizer.floor()[0], None, None)
-                if progress:
-                    progress(column, row[column])
-                continue
-            plan = optimizer.smallest() if kind == "min" else optimizer.within(float(kind[:-1]) / 100)
-            if plan is not None and (best is None or plan.footprint_bytes < best.footprint_bytes):
-                best = plan
-            row[column] = None if best is None else (best.ratio, best.predicted_overhead, best.options)
+            else:
+                plan = optimizer.smallest() if kind == "min" else optimizer.within(float(kind[:-1]) / 100)
+                if plan is not None and (best is None or plan.footprint_bytes < best.footprint_bytes):
+                    best = plan
+                row[column] = None if best is None else (best.ratio, best.predicted_overhead, best.options)
             if progress:
                 progress(column, row[column])
     return row, none
